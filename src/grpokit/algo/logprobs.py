@@ -1,0 +1,217 @@
+"""Log-probabilities of given tokens without materialising a float32 log_softmax over [B, T, V].
+
+What it does: ``token_logprobs`` takes logits and returns ``log softmax(logits / temperature)``
+at the chosen token ids; ``hidden_token_logprobs`` takes the last hidden states and the LM head
+and never forms the full logits at all. Both work block by block over tokens, in float32 (or
+float64 for float64 inputs) inside a block, and have hand-written backward passes that recompute
+each block's softmax, so neither the forward nor the backward holds more than one float32
+``[block, V]`` at a time.
+
+Why: with a 150k vocabulary, ``log_softmax(logits.float())`` on 32k completion tokens is 19 GB of
+float32 before autograd saves it for backward. The formula is simply
+
+    logp_t = z_t[y_t] / tau - logsumexp(z_t / tau)
+    d logp_t / d z_t = (onehot(y_t) - softmax(z_t / tau)) / tau
+
+What it deliberately does not do: model-specific logit transforms (Gemma-2 soft-capping, logit
+scaling): apply those before ``token_logprobs``, or use it rather than the hidden-state variant.
+
+Shape legend: B sequences, T tokens, V vocabulary, H hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows of float32 [rows, V] per block: about 64 MiB per block whatever the vocabulary.
+DEFAULT_BLOCK_BYTES = 64 * 2**20
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    block_tokens: int | None = None,
+) -> torch.Tensor:
+    r"""``log_softmax(logits / temperature).gather(-1, token_ids)`` computed block by block.
+
+    Equal to the naive expression to float32 rounding; peak extra memory is one float32
+    ``[block_tokens, V]`` block (forward and backward) instead of one or two ``[B, T, V]``.
+
+    Args:
+        logits: ``[B, T, V]`` (any float dtype; may require grad).
+        token_ids: ``[B, T]`` integer ids in ``[0, V)``.
+        temperature: divide the logits by this first (the sampling temperature, > 0).
+        block_tokens: tokens per block; default: as many as fit in 64 MiB of float32.
+
+    Returns:
+        ``[B, T]`` log-probabilities in float32 (float64 for float64 logits), differentiable with
+        respect to ``logits``.
+    """
+    _check(logits, token_ids, temperature)
+    rows = _block_rows(logits.shape[-1], block_tokens)
+    return _GatherLogSoftmax.apply(logits, token_ids, float(temperature), rows)
+
+
+def hidden_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    block_tokens: int | None = None,
+) -> torch.Tensor:
+    r"""Token log-probs straight from hidden states and the LM head: logits never exist in full.
+
+    Computes ``log_softmax((hidden @ weight.T + bias) / temperature).gather(-1, token_ids)`` one
+    block of tokens at a time, and recomputes each block's logits in backward (the chunked
+    cross-entropy idea of Liger-Kernel / Apple's Cut Cross-Entropy, here in plain PyTorch).
+
+    Args:
+        hidden: ``[B, T, H]`` last hidden states (after the final norm).
+        weight: ``[V, H]`` the LM head (``model.get_output_embeddings().weight``).
+        token_ids: ``[B, T]`` integer ids in ``[0, V)``.
+        bias: optional ``[V]`` LM-head bias.
+        temperature: divide the logits by this (> 0).
+        block_tokens: tokens per block; default: as many as fit in 64 MiB of float32 logits.
+
+    Returns:
+        ``[B, T]`` log-probabilities in float32 (float64 for float64 inputs), differentiable with
+        respect to hidden, weight and bias.
+    """
+    if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [B, T, H] and weight [V, H]; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be [V]={tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
+    _check_ids(token_ids, hidden.shape[:2], temperature)
+    rows = _block_rows(weight.shape[0], block_tokens)
+    return _LinearGatherLogSoftmax.apply(hidden, weight, bias, token_ids, float(temperature), rows)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _block_rows(vocab: int, block_tokens: int | None) -> int:
+    if block_tokens is not None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        return block_tokens
+    return max(1, DEFAULT_BLOCK_BYTES // (4 * vocab))
+
+
+def _check(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float) -> None:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    _check_ids(token_ids, logits.shape[:2], temperature)
+
+
+def _check_ids(token_ids: torch.Tensor, bt: torch.Size, temperature: float) -> None:
+    if token_ids.shape != bt:
+        raise ValueError(f"token_ids must be [B, T]={tuple(bt)}, got {tuple(token_ids.shape)}")
+    if token_ids.is_floating_point():
+        raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+
+
+def _blocks(B: int, T: int, rows: int):
+    """Yield (b, t0, t1) blocks covering [B, T], at most ``rows`` tokens each, row by row.
+
+    Blocks stay inside one sequence so slicing a [B, T, V] view never copies, even when the
+    caller passed a non-contiguous slice such as ``logits[:, prompt_len - 1 : -1]``.
+    """
+    step = max(1, min(rows, T))
+    for b in range(B):
+        for t0 in range(0, T, step):
+            yield b, t0, min(t0 + step, T)
+
+
+class _GatherLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_BTV, ids_BT, temperature, rows):
+        B, T, _ = logits_BTV.shape
+        acc = _acc_dtype(logits_BTV.dtype)
+        out_BT = torch.empty(B, T, dtype=acc, device=logits_BTV.device)
+        lse_BT = torch.empty_like(out_BT)
+        for b, t0, t1 in _blocks(B, T, rows):
+            z_cV = logits_BTV[b, t0:t1].to(acc) / temperature
+            lse_BT[b, t0:t1] = torch.logsumexp(z_cV, dim=-1)
+            out_BT[b, t0:t1] = z_cV.gather(-1, ids_BT[b, t0:t1, None]).squeeze(-1) - lse_BT[b, t0:t1]
+        ctx.save_for_backward(logits_BTV, ids_BT, lse_BT)
+        ctx.temperature, ctx.rows = temperature, rows
+        return out_BT
+
+    @staticmethod
+    def backward(ctx, grad_BT):
+        logits_BTV, ids_BT, lse_BT = ctx.saved_tensors
+        tau = ctx.temperature
+        grad_logits_BTV = torch.empty_like(logits_BTV)
+        B, T, _ = logits_BTV.shape
+        for b, t0, t1 in _blocks(B, T, ctx.rows):
+            g_c1 = grad_BT[b, t0:t1, None].to(lse_BT.dtype)
+            p_cV = torch.exp(logits_BTV[b, t0:t1].to(lse_BT.dtype) / tau - lse_BT[b, t0:t1, None])
+            g_cV = p_cV.mul_(-g_c1).scatter_add_(-1, ids_BT[b, t0:t1, None], g_c1).div_(tau)
+            grad_logits_BTV[b, t0:t1] = g_cV
+        return grad_logits_BTV, None, None, None
+
+
+class _LinearGatherLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_BTH, weight_VH, bias_V, ids_BT, temperature, rows):
+        B, T, _ = hidden_BTH.shape
+        out_BT = torch.empty(B, T, dtype=_acc_dtype(hidden_BTH.dtype), device=hidden_BTH.device)
+        lse_BT = torch.empty_like(out_BT)
+        for b, t0, t1 in _blocks(B, T, rows):
+            z_cV = _block_logits(hidden_BTH[b, t0:t1], weight_VH, bias_V, temperature)
+            lse_BT[b, t0:t1] = torch.logsumexp(z_cV, dim=-1)
+            out_BT[b, t0:t1] = z_cV.gather(-1, ids_BT[b, t0:t1, None]).squeeze(-1) - lse_BT[b, t0:t1]
+        ctx.save_for_backward(hidden_BTH, weight_VH, bias_V, ids_BT, lse_BT)
+        ctx.temperature, ctx.rows = temperature, rows
+        return out_BT
+
+    @staticmethod
+    def backward(ctx, grad_BT):
+        hidden_BTH, weight_VH, bias_V, ids_BT, lse_BT = ctx.saved_tensors
+        tau = ctx.temperature
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h_BTH = torch.zeros_like(hidden_BTH) if need_h else None
+        # Accumulate the LM-head gradient in float32 across blocks: summing bf16 partials loses bits.
+        acc = lse_BT.dtype
+        grad_w_VH = torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_w else None
+        grad_b_V = torch.zeros(weight_VH.shape[0], dtype=acc, device=weight_VH.device) if need_b else None
+        B, T, _ = hidden_BTH.shape
+        for b, t0, t1 in _blocks(B, T, ctx.rows):
+            h_cH = hidden_BTH[b, t0:t1]
+            g_c1 = grad_BT[b, t0:t1, None].to(acc)
+            z_cV = _block_logits(h_cH, weight_VH, bias_V, tau)
+            p_cV = torch.exp(z_cV.sub_(lse_BT[b, t0:t1, None]))
+            # d logp / d logits = (onehot - softmax) / tau, times the incoming gradient
+            g_cV = p_cV.mul_(-g_c1).scatter_add_(-1, ids_BT[b, t0:t1, None], g_c1).div_(tau)
+            if need_h:
+                grad_h_BTH[b, t0:t1] = (g_cV.to(weight_VH.dtype) @ weight_VH).to(hidden_BTH.dtype)
+            if need_w:
+                grad_w_VH += g_cV.t() @ h_cH.to(acc)
+            if need_b:
+                grad_b_V += g_cV.sum(dim=0)
+        grad_w = grad_w_VH.to(weight_VH.dtype) if need_w else None
+        grad_b = grad_b_V.to(bias_V.dtype) if need_b else None
+        return grad_h_BTH, grad_w, grad_b, None, None, None
+
+
+def _block_logits(
+    h_cH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, tau: float
+) -> torch.Tensor:
+    acc = _acc_dtype(h_cH.dtype)
+    z_cV = (h_cH @ weight_VH.t()).to(acc)
+    if bias_V is not None:
+        z_cV = z_cV + bias_V.to(acc)
+    return z_cV.div_(tau)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Compute in float32 at least: bf16/fp16 inputs are upcast per block, float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)

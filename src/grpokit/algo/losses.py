@@ -1,0 +1,312 @@
+"""The GRPO policy loss, composed from small pieces: importance ratio, clipped surrogate, KL term,
+aggregation over tokens and sequences.
+
+What it does: given per-token log-probs of the completions under the current policy (``logp``),
+the sampling policy (``old_logp``) and optionally the reference (``ref_logp``), the per-completion
+advantages and the completion mask, return the scalar loss to minimise and a dict of metrics.
+
+What it deliberately does not do: run a model, compute advantages, or pick hyper-parameters.
+Variants are not branches inside one function: each piece below is a function with its own
+formula, and ``policy_loss`` selects them through tables (``RATIO_LEVELS``, ``AGGREGATIONS``).
+
+Exact gradient accumulation: every aggregation is a *sum* over tokens divided by a denominator
+that depends only on counts (sequences, tokens, ``max_completion_length``). Pass the step's
+global ``num_sequences`` / ``num_tokens`` and the micro-batch losses add up to the full-batch
+loss exactly, whatever the micro-batch split.
+
+Masked (padding) positions are removed with ``torch.where``, never by multiplying, so an inf or
+NaN computed at a padded position cannot leak into the loss or its gradient.
+
+Shape legend: B completions, T completion tokens (right-padded; ``mask_BT`` marks real tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from grpokit.algo.kl import kl_penalty
+
+# --------------------------------------------------------------------------------------------
+# Importance ratio: log(pi_theta / pi_old), per token or per sequence.
+# --------------------------------------------------------------------------------------------
+
+
+def token_log_ratio(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    r"""Per-token log importance ratio (PPO, GRPO):
+
+    :math:`\log r_{i,t} = \log\pi_\theta(o_{i,t}) - \log\pi_{old}(o_{i,t})`.
+
+    Returns ``[B, T]``; padded positions are 0 (ratio 1).
+    """
+    return torch.where(mask_BT, logp_BT - old_logp_BT, torch.zeros_like(logp_BT))
+
+
+def sequence_log_ratio(
+    logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> torch.Tensor:
+    r"""Sequence-level log ratio broadcast to tokens (GSPO, Zheng et al. 2025, arXiv:2507.18071, eq. 7):
+
+    :math:`\log s_i = \frac{1}{|o_i|}\sum_t (\log\pi_\theta(o_{i,t}) - \log\pi_{old}(o_{i,t}))`,
+    the log of the length-normalised sequence likelihood ratio. Every token of completion i carries
+    :math:`\log s_i`, so with ``seq_mean_token_mean`` aggregation the loss is GSPO's per-sequence
+    objective and its gradient is GSPO's (each token gets :math:`s_i A_i / |o_i|`).
+
+    Returns ``[B, T]``; padded positions are 0.
+    """
+    diff_BT = token_log_ratio(logp_BT, old_logp_BT, mask_BT)
+    len_B1 = mask_BT.sum(dim=1, keepdim=True).clamp(min=1)
+    seq_B1 = diff_BT.sum(dim=1, keepdim=True) / len_B1
+    return torch.where(mask_BT, seq_B1.expand_as(diff_BT), torch.zeros_like(diff_BT))
+
+
+RATIO_LEVELS: dict[str, Callable[..., torch.Tensor]] = {
+    "token": token_log_ratio,
+    "sequence": sequence_log_ratio,
+}
+
+# --------------------------------------------------------------------------------------------
+# Surrogate.
+# --------------------------------------------------------------------------------------------
+
+
+def clipped_surrogate(
+    ratio_BT: torch.Tensor, adv_B1: torch.Tensor, clip_low: float, clip_high: float
+) -> torch.Tensor:
+    r"""PPO's clipped surrogate as a per-token loss (negated, to minimise):
+
+    :math:`-\min\big(r A,\ \mathrm{clip}(r, 1-\epsilon_{low}, 1+\epsilon_{high})\,A\big)`
+
+    (PPO, Schulman et al. 2017, arXiv:1707.06347, eq. 7; asymmetric "clip-higher" bounds from
+    DAPO, Yu et al. 2025, arXiv:2503.14476, eq. 10). Where the clip is active -- ratio below
+    1 - clip_low with A < 0, or above 1 + clip_high with A > 0 -- the gradient is exactly 0.
+
+    Returns ``[B, T]``.
+    """
+    unclipped_BT = ratio_BT * adv_B1
+    clipped_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high) * adv_B1
+    return -torch.minimum(unclipped_BT, clipped_BT)
+
+
+# --------------------------------------------------------------------------------------------
+# Aggregation: per-token values [B, T] -> scalar. Each is  sum(x over valid tokens) / denominator.
+# --------------------------------------------------------------------------------------------
+
+
+def seq_mean_token_mean(
+    x_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    num_sequences: int,
+    num_tokens: int,
+    max_completion_length: int | None,
+) -> torch.Tensor:
+    r"""DeepSeekMath GRPO (arXiv:2402.03300, eq. 3): :math:`\frac{1}{N}\sum_i \frac{1}{|o_i|}\sum_t x_{i,t}`.
+
+    Denominator: ``num_sequences`` (N, completions with at least one token) times each
+    completion's own length. Long completions' tokens weigh less -- the length bias Dr. GRPO names.
+    """
+    len_B = mask_BT.sum(dim=1).clamp(min=1)
+    per_seq_B = torch.where(mask_BT, x_BT, torch.zeros_like(x_BT)).sum(dim=1) / len_B
+    return per_seq_B.sum() / max(num_sequences, 1)
+
+
+def token_mean(
+    x_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    num_sequences: int,
+    num_tokens: int,
+    max_completion_length: int | None,
+) -> torch.Tensor:
+    r"""DAPO token-level loss (arXiv:2503.14476, eq. 12): :math:`\frac{1}{\sum_i |o_i|}\sum_i\sum_t x_{i,t}`.
+
+    Denominator: ``num_tokens``, so every token of the batch weighs the same.
+    """
+    return torch.where(mask_BT, x_BT, torch.zeros_like(x_BT)).sum() / max(num_tokens, 1)
+
+
+def seq_mean_token_sum_norm(
+    x_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    num_sequences: int,
+    num_tokens: int,
+    max_completion_length: int | None,
+) -> torch.Tensor:
+    r"""Dr. GRPO (arXiv:2503.20783, sec. 3.1): :math:`\frac{1}{N \cdot L_{max}}\sum_i\sum_t x_{i,t}`.
+
+    Denominator: ``num_sequences * max_completion_length``, a constant, so no length bias.
+    """
+    if max_completion_length is None:
+        raise ValueError(
+            "aggregation='seq_mean_token_sum_norm' needs max_completion_length (the rollout's max_new_tokens)"
+        )
+    total = torch.where(mask_BT, x_BT, torch.zeros_like(x_BT)).sum()
+    return total / (max(num_sequences, 1) * max_completion_length)
+
+
+AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "seq_mean_token_mean": seq_mean_token_mean,
+    "token_mean": token_mean,
+    "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
+}
+
+# --------------------------------------------------------------------------------------------
+# The loss.
+# --------------------------------------------------------------------------------------------
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    ratio_level: str = "token",
+    aggregation: str = "seq_mean_token_mean",
+    max_completion_length: int | None = None,
+    kl_kind: str = "k3",
+    num_sequences: int | None = None,
+    num_tokens: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    r"""GRPO-family policy loss (to minimise), DeepSeekMath eq. 3 and its variants:
+
+    :math:`\mathcal{L} = \mathrm{agg}_{i,t}\Big[-\min\big(r_{i,t}A_i,\
+    \mathrm{clip}(r_{i,t},1-\epsilon_{low},1+\epsilon_{high})A_i\big) + \beta\,\mathrm{KL}_{i,t}\Big]`
+
+    with :math:`r_{i,t} = \pi_\theta/\pi_{old}` per token (``ratio_level="token"``) or GSPO's
+    sequence ratio :math:`s_i` (``"sequence"``), KL the per-token estimator ``kl_kind``
+    (:func:`grpokit.algo.kl.kl_penalty`), and ``agg`` one of :data:`AGGREGATIONS`. With a single
+    inner epoch ``old_logp`` is ``logp.detach()``: the ratio is 1 but its gradient is the policy
+    gradient.
+
+    Args:
+        logp: ``[B, T]`` current policy log-probs of the completion tokens (differentiable).
+        old_logp: ``[B, T]`` sampling-policy log-probs (constant).
+        advantages: ``[B]`` per-completion advantages (constant).
+        mask: ``[B, T]`` 1/True for real completion tokens, 0/False for padding.
+        ref_logp: ``[B, T]`` reference-model log-probs; required when ``beta > 0``; when given
+            with ``beta == 0`` the KL is still reported.
+        beta: KL coefficient (>= 0).
+        clip_low: epsilon_low, the ratio is clipped below at 1 - clip_low (0 <= clip_low < 1).
+        clip_high: epsilon_high, clipped above at 1 + clip_high; ``None`` means ``clip_low``.
+        ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
+        aggregation: ``"seq_mean_token_mean" | "token_mean" | "seq_mean_token_sum_norm"``.
+        max_completion_length: L_max for ``seq_mean_token_sum_norm``.
+        kl_kind: ``"k1" | "k2" | "k3"``.
+        num_sequences: the denominator's N; default: completions in this batch with >= 1 token.
+            Pass the whole step's count when accumulating gradients over micro-batches.
+        num_tokens: the denominator of ``token_mean``; default: valid tokens in this batch.
+
+    Returns:
+        ``(loss, metrics)``: the scalar loss, and detached 0-d tensors over this batch's valid
+        tokens: ``pg_loss`` and ``kl_loss`` (the two aggregated terms before beta; loss =
+        pg_loss + beta * kl_loss), ``kl`` (token-mean KL estimate; NaN when no ``ref_logp``),
+        ``clip_fraction``, ``clip_fraction_low``, ``clip_fraction_high`` (fraction of tokens whose
+        gradient the clip zeroes), ``ratio_mean``, ``ratio_min``, ``ratio_max``, ``num_tokens``.
+    """
+    mask_BT = _check_loss_inputs(logp, old_logp, advantages, mask, ref_logp, beta, clip_low, clip_high)
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {tuple(RATIO_LEVELS)}, got {ratio_level!r}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {tuple(AGGREGATIONS)}, got {aggregation!r}")
+    if max_completion_length is not None and max_completion_length < 1:
+        raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
+    clip_high = clip_low if clip_high is None else clip_high
+
+    batch_tokens = int(mask_BT.sum())
+    counts = {
+        "num_sequences": int(mask_BT.any(dim=1).sum()) if num_sequences is None else num_sequences,
+        "num_tokens": batch_tokens if num_tokens is None else num_tokens,
+        "max_completion_length": max_completion_length,
+    }
+    aggregate = AGGREGATIONS[aggregation]
+
+    # Zero the padded positions of every input first: a where() downstream blocks the value, but
+    # the backward of e.g. exp(-inf - -inf) would still multiply its zero gradient by NaN.
+    zeros_BT = torch.zeros_like(logp)
+    logp = torch.where(mask_BT, logp, zeros_BT)
+    old_logp = torch.where(mask_BT, old_logp.detach(), zeros_BT)
+    ref_logp = None if ref_logp is None else torch.where(mask_BT, ref_logp.detach(), zeros_BT)
+
+    adv_B1 = advantages.detach().to(logp.dtype).unsqueeze(1)
+    log_ratio_BT = RATIO_LEVELS[ratio_level](logp, old_logp, mask_BT)
+    ratio_BT = torch.exp(log_ratio_BT)
+    surrogate_BT = clipped_surrogate(ratio_BT, adv_B1, clip_low, clip_high)
+    pg_loss = aggregate(surrogate_BT, mask_BT, **counts)
+
+    if ref_logp is not None:
+        kl_BT = kl_penalty(logp, ref_logp, kl_kind)
+        kl_loss = aggregate(kl_BT, mask_BT, **counts)
+        loss = pg_loss + beta * kl_loss if beta > 0 else pg_loss
+    else:
+        kl_BT, kl_loss, loss = None, torch.zeros((), dtype=logp.dtype), pg_loss
+
+    with torch.no_grad():
+        metrics = _loss_metrics(ratio_BT, adv_B1, mask_BT, kl_BT, clip_low, clip_high, batch_tokens)
+        metrics["pg_loss"] = pg_loss.detach()
+        metrics["kl_loss"] = kl_loss.detach()
+    return loss, metrics
+
+
+def _loss_metrics(
+    ratio_BT: torch.Tensor,
+    adv_B1: torch.Tensor,
+    mask_BT: torch.Tensor,
+    kl_BT: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    batch_tokens: int,
+) -> dict[str, torch.Tensor]:
+    n = max(batch_tokens, 1)
+    low_BT = (ratio_BT < 1.0 - clip_low) & (adv_B1 < 0) & mask_BT
+    high_BT = (ratio_BT > 1.0 + clip_high) & (adv_B1 > 0) & mask_BT
+    ratio_valid = ratio_BT[mask_BT]
+    empty = ratio_valid.numel() == 0
+    nan = torch.tensor(float("nan"), dtype=ratio_BT.dtype)
+    return {
+        "clip_fraction_low": low_BT.sum() / n,
+        "clip_fraction_high": high_BT.sum() / n,
+        "clip_fraction": (low_BT | high_BT).sum() / n,
+        "ratio_mean": nan if empty else ratio_valid.mean(),
+        "ratio_min": nan if empty else ratio_valid.min(),
+        "ratio_max": nan if empty else ratio_valid.max(),
+        "kl": nan if kl_BT is None or empty else kl_BT[mask_BT].mean(),
+        "num_tokens": torch.tensor(batch_tokens),
+    }
+
+
+def _check_loss_inputs(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    beta: float,
+    clip_low: float,
+    clip_high: float | None,
+) -> torch.Tensor:
+    """Validate shapes and hyper-parameters; return the mask as bool ``[B, T]``."""
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [B, T] (completion tokens), got shape {tuple(logp.shape)}")
+    named = {"old_logp": old_logp, "mask": mask} | ({"ref_logp": ref_logp} if ref_logp is not None else {})
+    for name, t in named.items():
+        if t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but logp has {tuple(logp.shape)}")
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages must be [B]={tuple(logp.shape[:1])}, got {tuple(advantages.shape)}")
+    if not beta >= 0:
+        raise ValueError(f"beta must be >= 0, got {beta!r}")
+    if beta > 0 and ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp (reference-model log-probs); pass them or set beta=0")
+    if not 0 <= clip_low < 1:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
+    if clip_high is not None and not clip_high >= 0:
+        raise ValueError(f"clip_high must be >= 0 or None (= clip_low), got {clip_high!r}")
+    return mask.bool()

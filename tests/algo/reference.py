@@ -1,0 +1,97 @@
+"""Independent float64 references, written from the papers' formulas with Python floats and loops.
+
+Nothing here imports grpokit or vectorises: each function is the formula as printed, so a test
+that compares grpokit.algo against it compares two independent derivations.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def std_unbiased(xs: list[float]) -> float:
+    m = mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def advantages(rewards: list[float], G: int, estimator: str, scale: str, eps: float) -> list[float]:
+    """DeepSeekMath GRPO / Dr. GRPO / RLOO advantages, group by group."""
+    out: list[float] = []
+    batch_std = std_unbiased(rewards)
+    for g0 in range(0, len(rewards), G):
+        group = rewards[g0 : g0 + G]
+        if max(group) == min(group):
+            out += [0.0] * G
+            continue
+        for i, r in enumerate(group):
+            if estimator == "rloo":
+                others = group[:i] + group[i + 1 :]
+                a = r - sum(others) / (G - 1)
+            else:
+                a = r - mean(group)
+            if scale == "group":
+                a /= std_unbiased(group) + eps
+            elif scale == "batch":
+                a /= batch_std + eps
+            out.append(a)
+    return out
+
+
+def kl(logp: float, ref_logp: float, kind: str) -> float:
+    """Schulman's k1/k2/k3 estimators of KL(pi || ref) at one sampled token."""
+    log_ratio = ref_logp - logp
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    return math.exp(log_ratio) - log_ratio - 1
+
+
+def policy_loss(
+    logp: list[list[float]],
+    old_logp: list[list[float]],
+    adv: list[float],
+    mask: list[list[int]],
+    *,
+    ref_logp: list[list[float]] | None,
+    beta: float,
+    clip_low: float,
+    clip_high: float,
+    ratio_level: str,
+    aggregation: str,
+    max_completion_length: int | None,
+    kl_kind: str = "k3",
+) -> float:
+    """DeepSeekMath eq. 3 (negated), with GSPO's sequence ratio and DAPO / Dr. GRPO aggregations."""
+    per_token: list[list[float]] = []  # the loss term of each valid token, sequence by sequence
+    for i in range(len(logp)):
+        valid = [t for t in range(len(logp[i])) if mask[i][t]]
+        if ratio_level == "sequence" and valid:
+            s = math.exp(sum(logp[i][t] - old_logp[i][t] for t in valid) / len(valid))
+        terms = []
+        for t in valid:
+            r = s if ratio_level == "sequence" else math.exp(logp[i][t] - old_logp[i][t])
+            clipped = min(max(r, 1 - clip_low), 1 + clip_high)
+            term = -min(r * adv[i], clipped * adv[i])
+            if beta > 0:
+                term += beta * kl(logp[i][t], ref_logp[i][t], kl_kind)
+            terms.append(term)
+        per_token.append(terms)
+    seqs = [terms for terms in per_token if terms]
+    if aggregation == "seq_mean_token_mean":
+        return sum(sum(ts) / len(ts) for ts in seqs) / len(seqs)
+    if aggregation == "token_mean":
+        return sum(sum(ts) for ts in seqs) / sum(len(ts) for ts in seqs)
+    if aggregation == "seq_mean_token_sum_norm":
+        return sum(sum(ts) for ts in seqs) / (len(seqs) * max_completion_length)
+    raise ValueError(aggregation)
+
+
+def log_softmax_at(logits: list[float], token: int, temperature: float = 1.0) -> float:
+    z = [x / temperature for x in logits]
+    m = max(z)
+    return z[token] - (m + math.log(sum(math.exp(x - m) for x in z)))

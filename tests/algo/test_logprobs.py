@@ -1,0 +1,153 @@
+"""token_logprobs / hidden_token_logprobs against log_softmax-gather and the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpokit.algo import hidden_token_logprobs, token_logprobs
+from tests.algo import reference as ref
+
+
+def naive(logits, ids, temperature=1.0):
+    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
+
+
+def make(seed, B=3, T=5, V=11, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, T, V, generator=g) * 4).to(dtype)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return logits, ids
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("block_tokens", [1, 2, 3, None])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_value_and_grad(seed, block_tokens, temperature):
+    logits, ids = make(seed)
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    got = token_logprobs(a, ids, temperature=temperature, block_tokens=block_tokens)
+    want = naive(b, ids, temperature)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(seed))
+    (got * w).sum().backward()
+    (want * w).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_token_logprobs_matches_python_reference_in_float64():
+    logits, ids = make(3, dtype=torch.float64)
+    got = token_logprobs(logits, ids, temperature=0.9)
+    expected = [
+        [ref.log_softmax_at(logits[b, t].tolist(), int(ids[b, t]), 0.9) for t in range(5)] for b in range(3)
+    ]
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+def test_gradcheck_float64():
+    logits, ids = make(4, B=2, T=3, V=5, dtype=torch.float64)
+    logits.requires_grad_(True)
+    fn = lambda x: token_logprobs(x, ids, temperature=1.3, block_tokens=2)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (logits,), eps=1e-6, atol=1e-7)
+
+
+def test_non_contiguous_slice_and_bf16():
+    logits, ids = make(5, T=8)
+    sliced = logits[:, 2:7]  # what a caller does to drop prompt positions
+    assert not sliced.is_contiguous()
+    torch.testing.assert_close(
+        token_logprobs(sliced, ids[:, 2:7]), naive(sliced, ids[:, 2:7]), atol=1e-6, rtol=0
+    )
+    lb = logits.bfloat16()
+    got = token_logprobs(lb, ids)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, naive(lb, ids), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("block_tokens", [1, 4, None])
+def test_hidden_token_logprobs_value_and_grads(with_bias, block_tokens):
+    g = torch.Generator().manual_seed(11)
+    B, T, H, V = 2, 6, 8, 13
+    hidden = torch.randn(B, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g)
+    bias = torch.randn(V, generator=g) if with_bias else None
+    ids = torch.randint(0, V, (B, T), generator=g)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight) + ((bias,) if with_bias else ())]
+    leaves_ref = [t.detach().clone().requires_grad_(True) for t in leaves]
+
+    def split(ls):
+        return ls[0], ls[1], ls[2] if with_bias else None
+
+    h, w, b = split(leaves)
+    got = hidden_token_logprobs(h, w, ids, bias=b, temperature=0.8, block_tokens=block_tokens)
+    hr, wr, br = split(leaves_ref)
+    logits = hr @ wr.t() + (br if with_bias else 0)
+    want = naive(logits, ids, 0.8)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    upstream = torch.randn(B, T, generator=g)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for x, y in zip(leaves, leaves_ref, strict=True):
+        torch.testing.assert_close(x.grad, y.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_hidden_gradcheck_float64():
+    g = torch.Generator().manual_seed(12)
+    hidden = torch.randn(1, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 6, (1, 3), generator=g)
+    fn = lambda h, w, b: hidden_token_logprobs(h, w, ids, bias=b, block_tokens=2)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (hidden, weight, bias), eps=1e-6, atol=1e-7)
+
+
+def test_frozen_weight_gets_no_grad():
+    hidden = torch.randn(1, 2, 3, requires_grad=True)
+    weight = torch.randn(5, 3)
+    hidden_token_logprobs(hidden, weight, torch.zeros(1, 2, dtype=torch.long)).sum().backward()
+    assert hidden.grad is not None and weight.grad is None
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (
+            lambda: token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)),
+            r"logits must be \[B, T, V\]",
+        ),
+        (
+            lambda: token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 3, dtype=torch.long)),
+            "token_ids must be",
+        ),
+        (lambda: token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2)), "integer tensor"),
+        (
+            lambda: token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), temperature=0),
+            "temperature must be > 0",
+        ),
+        (
+            lambda: token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), block_tokens=0),
+            "block_tokens must be >= 1",
+        ),
+        (
+            lambda: hidden_token_logprobs(
+                torch.zeros(1, 2, 3), torch.zeros(4, 5), torch.zeros(1, 2, dtype=torch.long)
+            ),
+            "weight",
+        ),
+        (
+            lambda: hidden_token_logprobs(
+                torch.zeros(1, 2, 3),
+                torch.zeros(4, 3),
+                torch.zeros(1, 2, dtype=torch.long),
+                bias=torch.zeros(3),
+            ),
+            r"bias must be \[V\]",
+        ),
+    ],
+)
+def test_bad_inputs(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
