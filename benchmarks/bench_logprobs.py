@@ -65,17 +65,30 @@ def main() -> None:
         print(json.dumps(child(a.child, a.batch, a.seq, a.vocab, a.hidden, a.dtype)))
         return
 
-    args = ["--batch", str(a.batch), "--seq", str(a.seq), "--vocab", str(a.vocab),
-            "--hidden", str(a.hidden), "--dtype", a.dtype]  # fmt: skip
+    args = [
+        "--batch",
+        str(a.batch),
+        "--seq",
+        str(a.seq),
+        "--vocab",
+        str(a.vocab),
+        "--hidden",
+        str(a.hidden),
+        "--dtype",
+        a.dtype,
+    ]
     rows = []
     for method in METHODS:
-        out = subprocess.run([sys.executable, __file__, "--child", method, *args],
-                             check=True, capture_output=True, text=True)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", method, *args], check=True, capture_output=True, text=True
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     naive = rows[0]
     logits_mib = a.batch * a.seq * a.vocab * (2 if a.dtype == "bfloat16" else 4) / 2**20
-    print(f"B={a.batch} T={a.seq} V={a.vocab} H={a.hidden} {a.dtype}; "
-          f"the logits tensor alone is {logits_mib:.0f} MiB\n")  # fmt: skip
+    print(
+        f"B={a.batch} T={a.seq} V={a.vocab} H={a.hidden} {a.dtype}; "
+        f"the logits tensor alone is {logits_mib:.0f} MiB\n"
+    )
     print("| method | extra peak RSS, fwd+bwd (MiB) | vs naive | time fwd+bwd (s) | vs naive |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:

@@ -16,7 +16,42 @@ def test_version():
     assert out.returncode == 0 and out.stdout.strip() == f"grpokit {__version__}"
 
 
-@pytest.mark.parametrize("command", ["demo", "train"])
+@pytest.mark.parametrize("command", ["demo", "eval"])
 def test_unbuilt_commands_say_not_yet_and_fail(command, capsys):
     assert main([command]) == 2
     assert "not yet available" in capsys.readouterr().err
+
+
+def test_train_from_the_command_line(tmp_path, tiny_dir):
+    out = tmp_path / "run"
+    argv = [
+        "-m",
+        "grpokit",
+        "train",
+        "--quiet",
+        "--output-dir",
+        str(out),
+        "--set",
+        f"model.name_or_path={tiny_dir}",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "train.prompts_per_step=2",
+        "--set",
+        "rollout.group_size=2",
+        "--set",
+        "rollout.max_new_tokens=4",
+        "--set",
+        "train.eval_max_prompts=4",
+    ]
+    res = subprocess.run([sys.executable, *argv], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "done: 2 steps" in res.stdout
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert {"config.yaml", "summary.json", "samples.jsonl"} <= {p.name for p in out.iterdir()}
+
+
+def test_configuration_errors_exit_2_with_one_clear_line(capsys):
+    assert main(["train", "--set", "train.lr=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "configuration error: train.lr: must be > 0, got -1.0" in err and "Traceback" not in err

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpokit.algo import hidden_token_logprobs, token_logprobs
+from grpokit.algo import hidden_token_logprobs, token_entropy, token_logprobs
 from tests.algo import reference as ref
 
 
@@ -151,3 +151,13 @@ def test_frozen_weight_gets_no_grad():
 def test_bad_inputs(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("block_tokens", [1, None])
+def test_token_entropy_matches_definition(block_tokens):
+    logits, _ = make(6, dtype=torch.float64)
+    got = token_entropy(logits, temperature=0.8, block_tokens=block_tokens)
+    p = torch.softmax(logits / 0.8, -1)
+    torch.testing.assert_close(got, -(p * p.log()).sum(-1), rtol=1e-12, atol=1e-12)
+    uniform = token_entropy(torch.zeros(1, 2, 7))
+    torch.testing.assert_close(uniform, torch.full((1, 2), torch.log(torch.tensor(7.0)).item()))

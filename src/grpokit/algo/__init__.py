@@ -6,7 +6,7 @@ against an independent float64 reference in ``tests/algo``.
 
 from grpokit.algo.advantages import group_advantages, zero_std_groups
 from grpokit.algo.kl import kl_penalty
-from grpokit.algo.logprobs import hidden_token_logprobs, token_logprobs
+from grpokit.algo.logprobs import hidden_token_logprobs, token_entropy, token_logprobs
 from grpokit.algo.losses import policy_loss
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "hidden_token_logprobs",
     "kl_penalty",
     "policy_loss",
+    "token_entropy",
     "token_logprobs",
     "zero_std_groups",
 ]

@@ -215,3 +215,32 @@ def _block_logits(
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Compute in float32 at least: bf16/fp16 inputs are upcast per block, float64 stays float64."""
     return torch.promote_types(dtype, torch.float32)
+
+
+@torch.no_grad()
+def token_entropy(
+    logits: torch.Tensor, *, temperature: float = 1.0, block_tokens: int | None = None
+) -> torch.Tensor:
+    r"""Entropy of softmax(logits / temperature) per position, block by block, without gradients.
+
+    :math:`H_t = \mathrm{logsumexp}(z_t) - \sum_v \mathrm{softmax}(z_t)_v z_{t,v}` with ``z = logits / tau``.
+    A monitoring metric (entropy collapse), hence no backward.
+
+    Args:
+        logits: ``[B, T, V]``.
+
+    Returns:
+        ``[B, T]`` in float32 (float64 for float64 logits).
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    B, T, V = logits.shape
+    acc = _acc_dtype(logits.dtype)
+    out_BT = torch.empty(B, T, dtype=acc, device=logits.device)
+    for b, t0, t1 in _blocks(B, T, _block_rows(V, block_tokens)):
+        z_cV = logits[b, t0:t1].to(acc) / temperature
+        lse_c = torch.logsumexp(z_cV, dim=-1)
+        out_BT[b, t0:t1] = lse_c - (torch.softmax(z_cV, dim=-1) * z_cV).sum(dim=-1)
+    return out_BT

@@ -1,0 +1,372 @@
+"""One configuration tree for a grpokit run: dataclasses, YAML loading, ``--set`` overrides, validation.
+
+What it does: ``GRPOConfig`` holds every option of a run in small per-stage dataclasses, each field
+with a default that runs on a laptop and a one-line help (``field(metadata={"help": ...})``).
+``load_config(path, overrides)`` reads a YAML file, applies dotted ``key=value`` overrides, and
+validates everything before any model is loaded: an unknown key, a bad type or a bad value fails
+with a message naming the key, the value and what is allowed.
+
+What it deliberately does not do: load models, data or rewards (it only names them), or keep
+options that nothing reads.
+
+``algorithm`` is a preset: it fills every ``algo.*`` field the user left unset (``None``) with the
+values of that algorithm's paper; any field can still be set explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before any model is loaded."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = _f("tiny", "Hugging Face model directory, or 'tiny' for the embedded model.")
+    dtype: str = _f("float32", "Parameter dtype: float32 | bfloat16 | float16.")
+
+
+@dataclass
+class DataConfig:
+    task: str | None = _f("addition", "Built-in task (grpokit.data.tasks); null when `path` is set.")
+    path: str | None = _f(None, "JSONL file of training rows (one JSON object per line).")
+    eval_path: str | None = _f(None, "JSONL file of held-out rows for evaluation (train.eval_every).")
+    prompt_column: str = _f("prompt", "Column holding the prompt text.")
+    answer_column: str = _f("answer", "Column holding the reference answer, passed to rewards as `answer`.")
+    template: str | None = _f(None, "Python format string applied to each row, e.g. 'Q: {prompt}\\nA:'.")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = _f("builtin", "Generation engine: builtin (KV-cached sampler in grpokit.rollout).")
+    group_size: int = _f(8, "G: completions sampled per prompt (>= 2).")
+    max_new_tokens: int = _f(32, "Longest completion, in tokens; longer ones are truncated.")
+    temperature: float = _f(
+        1.0, "Sampling temperature (> 0); log-probs are computed at the same temperature."
+    )
+    top_p: float = _f(1.0, "Nucleus sampling: keep the smallest token set with this probability mass (0, 1].")
+    top_k: int = _f(0, "Keep only the k most likely tokens; 0 disables.")
+    stop: list[str] = _f([], "Stop strings: a completion ends after the token that completes one.")
+
+
+@dataclass
+class AlgoConfig:
+    estimator: str | None = _f(None, "Advantage baseline: grpo | dr_grpo | rloo (null: from `algorithm`).")
+    scale: str | None = _f(None, "Advantage divisor: group | batch | none (null: from `algorithm`).")
+    eps: float | None = _f(None, "Added to the std before dividing (null: from `algorithm`).")
+    aggregation: str | None = _f(
+        None, "Loss aggregation: seq_mean_token_mean | token_mean | seq_mean_token_sum_norm."
+    )
+    ratio_level: str | None = _f(None, "Importance ratio: token (GRPO) | sequence (GSPO).")
+    clip_low: float | None = _f(None, "Clip the ratio below at 1 - clip_low.")
+    clip_high: float | None = _f(None, "Clip the ratio above at 1 + clip_high (null: = clip_low).")
+    beta: float | None = _f(None, "KL coefficient; 0 loads no reference model.")
+    kl: str | None = _f(None, "KL estimator: k1 | k2 | k3.")
+
+
+# Each preset gives every algo.* field; docs/algorithms.md has the formulas and sources.
+PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": dict(
+        estimator="grpo",
+        scale="group",
+        eps=1e-4,
+        aggregation="seq_mean_token_mean",
+        ratio_level="token",
+        clip_low=0.2,
+        clip_high=None,
+        beta=0.04,
+        kl="k3",
+    ),
+}
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = _f(200, "Generation steps (sample -> score -> update) to run.")
+    prompts_per_step: int = _f(
+        16, "Prompts per step; the batch is prompts_per_step * group_size completions."
+    )
+    micro_batch_size: int = _f(32, "Most completions per forward/backward pass (gradient accumulation).")
+    micro_batch_tokens: int | None = _f(
+        None, "Also cap each micro-batch at this many padded tokens (sequences x longest); null: no cap."
+    )
+    mu: int = _f(1, "Inner epochs over each batch (optimizer steps per generation step), pi_old fixed.")
+    lr: float = _f(1e-5, "AdamW learning rate.")
+    lr_schedule: str = _f("constant", "constant | cosine (decay to 0 at max_steps), after warm-up.")
+    warmup_steps: int = _f(0, "Linear learning-rate warm-up over this many optimizer steps.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    max_grad_norm: float = _f(1.0, "Clip the gradient's global norm to this; 0 disables.")
+    seed: int = _f(0, "Seed of every random stream of the run.")
+    eval_every: int = _f(0, "Evaluate on the held-out set every N steps (and at the end); 0 disables.")
+    eval_max_prompts: int = _f(500, "Held-out prompts used per evaluation (greedy pass@1).")
+    log_samples: int = _f(4, "Completions per step written to samples.jsonl.")
+    output_dir: str = _f(
+        "runs/grpo", "Run directory: config.yaml, metrics.jsonl, samples.jsonl, summary.json."
+    )
+    quiet: bool = _f(False, "No progress bar (for CI and logs); metrics are still written.")
+
+
+@dataclass
+class RewardSpec:
+    name: str = _f("task_verifier", "Registered reward name, or 'module.path:function'.")
+    weight: float = _f(1.0, "Weight in the summed reward.")
+    verifier: bool | None = _f(
+        None, "Is this an exact 0/1 verifier (feeds `accuracy`)? null: the reward's own."
+    )
+    options: dict = _f({}, "Keyword options passed to the reward's constructor.")
+
+
+@dataclass
+class GRPOConfig:
+    algorithm: str = _f("grpo", f"Preset for the algo.* fields: {' | '.join(PRESETS)}.")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rewards: list[RewardSpec] = field(
+        default_factory=lambda: [RewardSpec()], metadata={"help": "Reward functions, summed with weights."}
+    )
+
+    def __post_init__(self) -> None:
+        self.rewards = [RewardSpec(**r) if isinstance(r, dict) else r for r in self.rewards]
+        _check_choice("algorithm", self.algorithm, tuple(PRESETS))
+        preset = PRESETS[self.algorithm]
+        for name, value in preset.items():
+            if getattr(self.algo, name) is None:
+                setattr(self.algo, name, value)
+        if self.algo.clip_high is None:
+            self.algo.clip_high = self.algo.clip_low
+        validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: every rule names the key, the bad value, and what is allowed.
+# --------------------------------------------------------------------------------------------
+
+
+def _check_choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(str, allowed))}")
+
+
+def _check(key: str, ok: bool, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: must be {rule}, got {value!r}")
+
+
+def validate(cfg: GRPOConfig) -> None:
+    """Raise ConfigError on the first bad value. Called by GRPOConfig itself."""
+    m, d, r, a, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.train
+    _check_choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    if d.task is None and d.path is None:
+        raise ConfigError("data: set data.task (a built-in task) or data.path (a JSONL file)")
+    if d.task is not None and d.path is not None:
+        raise ConfigError(
+            f"data: set data.task or data.path, not both (got task={d.task!r}, path={d.path!r})"
+        )
+    if d.task is not None:
+        from grpokit.data.tasks import TASKS
+
+        _check_choice("data.task", d.task, tuple(TASKS))
+    _check_choice("rollout.engine", r.engine, ("builtin",))
+    _check("rollout.group_size", r.group_size >= 2, r.group_size, "an int >= 2 (GRPO compares within groups)")
+    _check("rollout.max_new_tokens", r.max_new_tokens >= 1, r.max_new_tokens, ">= 1")
+    _check("rollout.temperature", r.temperature > 0, r.temperature, "> 0")
+    _check("rollout.top_p", 0 < r.top_p <= 1, r.top_p, "in (0, 1]")
+    _check("rollout.top_k", r.top_k >= 0, r.top_k, ">= 0 (0 disables)")
+    _check(
+        "rollout.stop", all(isinstance(s, str) and s for s in r.stop), r.stop, "a list of non-empty strings"
+    )
+
+    _check_choice("algo.estimator", a.estimator, ("grpo", "dr_grpo", "rloo"))
+    _check_choice("algo.scale", a.scale, ("group", "batch", "none"))
+    if a.estimator == "dr_grpo" and a.scale != "none":
+        raise ConfigError(f"algo.scale: dr_grpo means no std scaling, got {a.scale!r}; use none")
+    _check("algo.eps", a.eps >= 0, a.eps, ">= 0")
+    _check_choice(
+        "algo.aggregation", a.aggregation, ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+    )
+    _check_choice("algo.ratio_level", a.ratio_level, ("token", "sequence"))
+    _check("algo.clip_low", 0 <= a.clip_low < 1, a.clip_low, "in [0, 1)")
+    _check("algo.clip_high", a.clip_high >= 0, a.clip_high, ">= 0")
+    _check("algo.beta", a.beta >= 0, a.beta, ">= 0")
+    _check_choice("algo.kl", a.kl, ("k1", "k2", "k3"))
+
+    for key in ("max_steps", "prompts_per_step", "micro_batch_size", "mu", "log_samples", "eval_max_prompts"):
+        v = getattr(t, key)
+        _check(
+            f"train.{key}",
+            v >= (0 if key == "log_samples" else 1),
+            v,
+            ">= 0" if key == "log_samples" else ">= 1",
+        )
+    if t.micro_batch_tokens is not None:
+        _check("train.micro_batch_tokens", t.micro_batch_tokens >= 1, t.micro_batch_tokens, ">= 1 or null")
+    _check("train.lr", t.lr > 0, t.lr, "> 0")
+    _check_choice("train.lr_schedule", t.lr_schedule, ("constant", "cosine"))
+    _check("train.warmup_steps", t.warmup_steps >= 0, t.warmup_steps, ">= 0")
+    _check("train.weight_decay", t.weight_decay >= 0, t.weight_decay, ">= 0")
+    _check("train.max_grad_norm", t.max_grad_norm >= 0, t.max_grad_norm, ">= 0 (0 disables)")
+    _check("train.eval_every", t.eval_every >= 0, t.eval_every, ">= 0 (0 disables)")
+    if not cfg.rewards:
+        raise ConfigError("rewards: at least one reward is needed, e.g. [{name: task_verifier}]")
+    for i, spec in enumerate(cfg.rewards):
+        _check(
+            f"rewards[{i}].name",
+            isinstance(spec.name, str) and bool(spec.name),
+            spec.name,
+            "a non-empty string",
+        )
+        _check(f"rewards[{i}].weight", spec.weight == spec.weight, spec.weight, "a number")
+
+
+# --------------------------------------------------------------------------------------------
+# Building from YAML + overrides, with type checking per field.
+# --------------------------------------------------------------------------------------------
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None
+) -> GRPOConfig:
+    """Build a validated config from a YAML file (or ``base`` dict) plus ``key=value`` overrides.
+
+    Overrides use dotted keys (``train.max_steps=6``, ``rollout.stop=["\\n"]``); values are
+    parsed as YAML, so lists and numbers work as typed.
+    """
+    raw: dict[str, Any] = dict(base or {})
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"config file {str(p)!r} must hold a mapping of keys, got {type(loaded).__name__}"
+            )
+        raw = _deep_merge(raw, loaded)
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. train.max_steps=6")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+    return from_dict(raw)
+
+
+def from_dict(raw: dict[str, Any]) -> GRPOConfig:
+    """Type-check a nested dict against the dataclass tree and build the config."""
+    return _build(GRPOConfig, raw, "")
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key {full!r}{hint}")
+        kwargs[key] = _coerce(hints[key], value, full)
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, f"{key}.")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)  # YAML reads 1e-5 as a string; accept it
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {hint!r}")  # a bug in this file, not in the user's config
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {key!r}: {part!r} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def describe() -> list[tuple[str, Any, str]]:
+    """Every option as (dotted key, default, help), for docs and ``--help``."""
+    rows: list[tuple[str, Any, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(hint):
+                walk(hint, f"{prefix}{f.name}.")
+            else:
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
+                    default = [dataclasses.asdict(x) for x in default]
+                rows.append((f"{prefix}{f.name}", default, f.metadata.get("help", "")))
+
+    walk(GRPOConfig, "")
+    return rows

@@ -1,0 +1,1 @@
+"""Models: loading Hugging Face causal LMs and tokenizers, and the embedded tiny model."""

@@ -1,0 +1,150 @@
+"""Reward registry and the weighted combination of several rewards.
+
+What it does: maps names to reward factories (``get(name, **options)`` returns the callable),
+loads a user's own ``module.path:function``, and scores a batch with several rewards:
+each reward's values are checked (length, finiteness) and the weighted sum is formed, with
+``None`` meaning "not applicable to this sample" (it contributes nothing).
+
+The reward contract (TRL-compatible): ``reward(prompts, completions, **columns) -> list[float | None]``
+where ``columns`` holds the dataset's other columns, one value per completion.
+
+What it deliberately does not do: turn rewards into advantages (``grpokit.algo``), or hide a
+broken reward: NaN or inf from a reward raises, naming the reward and the sample.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+RewardFn = Callable[..., list]
+
+_FACTORIES: dict[str, Callable[..., RewardFn]] = {}
+_VERIFIERS: set[str] = set()
+
+
+def register(name: str, *, verifier: bool = False):
+    """Decorator: register ``factory(**options) -> reward`` under ``name``.
+
+    ``verifier=True`` marks an exact 0/1 check of correctness: its mean is reported as
+    ``accuracy`` and the hacking monitor treats it as ground truth.
+    """
+
+    def deco(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
+        if name in _FACTORIES:
+            raise ValueError(f"reward {name!r} is already registered")
+        _FACTORIES[name] = factory
+        if verifier:
+            _VERIFIERS.add(name)
+        return factory
+
+    return deco
+
+
+def names() -> list[str]:
+    _load_builtins()
+    return sorted(_FACTORIES)
+
+
+def is_verifier(name: str) -> bool:
+    _load_builtins()
+    return name in _VERIFIERS
+
+
+def get(name: str, **options) -> RewardFn:
+    """The reward called ``name``, built with ``options``; or a user's ``module.path:function``.
+
+    A user function is used as the reward itself; ``options`` are bound as keyword arguments.
+    """
+    _load_builtins()
+    if name in _FACTORIES:
+        return _FACTORIES[name](**options)
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(
+                f"reward {name!r}: cannot import {attr!r} from module {module_name!r} ({e})"
+            ) from e
+        if not callable(fn):
+            raise ValueError(f"reward {name!r} is not callable")
+        if options:
+            inner = fn
+
+            def fn(prompts, completions, **columns):
+                return inner(prompts, completions, **columns, **options)
+
+            fn.__name__ = getattr(inner, "__name__", name)
+        return fn
+    raise ValueError(
+        f"unknown reward {name!r}; registered rewards: {', '.join(names())}, or give 'module.path:function'"
+    )
+
+
+def _load_builtins() -> None:
+    # Built-in rewards register themselves on import; importing here keeps `get` self-contained.
+    from grpokit.data import tasks  # noqa: F401  (registers task_verifier)
+
+
+@dataclass
+class WeightedReward:
+    """One configured reward: its name (for metrics), the callable, its weight, and whether it verifies."""
+
+    name: str
+    fn: RewardFn
+    weight: float = 1.0
+    verifier: bool = False
+
+
+@dataclass
+class Scores:
+    """The rewards of a batch of B completions."""
+
+    total: torch.Tensor  # [B] float32 weighted sum over applicable rewards
+    per_reward: dict[str, torch.Tensor]  # name -> [B] float32, NaN where the reward returned None
+    verifier: torch.Tensor | None  # [B] mean of the verifier rewards that applied, NaN if none did
+    num_unscored: int  # completions for which every reward returned None (total is 0 there)
+
+
+def score(
+    rewards: list[WeightedReward], prompts: list[str], completions: list[str], columns: dict[str, list]
+) -> Scores:
+    """Call every reward on the batch and combine them: ``total = sum_k w_k r_k`` over non-None values."""
+    B = len(completions)
+    total = torch.zeros(B, dtype=torch.float64)
+    applied = torch.zeros(B, dtype=torch.bool)
+    per_reward: dict[str, torch.Tensor] = {}
+    verifier_values = []
+    for spec in rewards:
+        values = _call(spec, prompts, completions, columns)
+        per_reward[spec.name] = values.float()
+        ok = ~torch.isnan(values)
+        total += torch.where(ok, values * spec.weight, torch.zeros_like(values))
+        applied |= ok
+        if spec.verifier:
+            verifier_values.append(values)
+    verifier = torch.stack(verifier_values).nanmean(dim=0).float() if verifier_values else None
+    return Scores(total.float(), per_reward, verifier, int((~applied).sum()))
+
+
+def _call(spec: WeightedReward, prompts, completions, columns) -> torch.Tensor:
+    out = spec.fn(prompts, completions, **columns)
+    if inspect.isgenerator(out):
+        out = list(out)
+    if len(out) != len(completions):
+        raise ValueError(
+            f"reward {spec.name!r} returned {len(out)} values for {len(completions)} completions"
+        )
+    values = torch.tensor([float("nan") if v is None else float(v) for v in out], dtype=torch.float64)
+    bad = [i for i, v in enumerate(out) if v is not None and not torch.isfinite(values[i])]
+    if bad:
+        raise ValueError(
+            f"reward {spec.name!r} returned NaN or inf for completions {bad[:5]} "
+            f"(e.g. {completions[bad[0]]!r}); return None for 'not applicable', or fix the reward"
+        )
+    return values

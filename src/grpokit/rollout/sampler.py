@@ -1,0 +1,188 @@
+"""The built-in sampler: G completions per prompt from a Hugging Face causal LM, with a KV cache.
+
+What it does: left-pads the prompts, runs each prompt through the model **once**, repeats its KV
+cache G times (the group shares the prefix), then decodes token by token with temperature /
+top-k / top-p, stopping each row at EOS, a stop string, or ``max_new_tokens``. Rows that have
+finished are dropped from the batch (and from the cache), so a group of mostly short answers
+does not pay for its longest one. Seeded through an explicit ``torch.Generator``: same seed,
+same completions.
+
+What it deliberately does not do: compute training log-probs (the trainer recomputes them with
+gradients), beam search, or speculative decoding. ``vllm_engine`` is the fast path on GPUs.
+
+Shape legend: P prompts, G group size, B = P * G rows, L prompt length, T completion length, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpokit.models.loading import accepts_kwarg
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy decoding."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Rollout:
+    """Completions for P prompts x G samples, rows ordered group after group."""
+
+    prompt_ids: torch.Tensor  # [P, L] left-padded
+    prompt_mask: torch.Tensor  # [P, L] bool
+    completion_ids: torch.Tensor  # [B, T] right-padded with the pad id
+    completion_mask: torch.Tensor  # [B, T] bool: real completion tokens (EOS included)
+    truncated: torch.Tensor  # [B] bool: hit max_new_tokens without EOS or a stop string
+    completions: list[str]  # [B] decoded text (special tokens skipped)
+    group_size: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:  # [B]
+        return self.completion_mask.sum(dim=1)
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize and left-pad: returns ``(ids [P, L], mask [P, L] bool)``."""
+    encoded = [tokenizer(p)["input_ids"] for p in prompts]
+    if any(len(e) == 0 for e in encoded):
+        raise ValueError("a prompt encoded to zero tokens; give every prompt some text")
+    width = max(len(e) for e in encoded)
+    pad = pad_token_id(tokenizer)
+    ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(encoded), width), dtype=torch.bool)
+    for i, e in enumerate(encoded):
+        ids[i, width - len(e) :] = torch.tensor(e, dtype=torch.long)
+        mask[i, width - len(e) :] = True
+    return ids, mask
+
+
+def pad_token_id(tokenizer) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token")
+    return int(pad)
+
+
+@torch.no_grad()
+def sample(
+    model,
+    tokenizer,
+    prompts: list[str],
+    group_size: int,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample ``group_size`` completions for each prompt.
+
+    Args:
+        model: a Hugging Face causal LM (eval mode is the caller's choice; dropout changes samples).
+        tokenizer: its tokenizer; ``eos_token_id`` ends a completion.
+        prompts: P prompt strings (already templated).
+        group_size: G >= 1.
+        params: see :class:`SamplingParams`.
+        generator: the random stream to sample from (on the model's device); None: torch's default.
+
+    Returns:
+        A :class:`Rollout` with B = P * G rows, group after group.
+    """
+    if group_size < 1 or params.max_new_tokens < 1:
+        raise ValueError(
+            f"need group_size >= 1 and max_new_tokens >= 1, got {group_size}, {params.max_new_tokens}"
+        )
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts)
+    eos = tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
+    B = len(prompts) * group_size
+
+    # Prompt pass: once per prompt, then the cache is repeated for the G members of the group.
+    ids_PL, mask_PL = prompt_ids.to(device), prompt_mask.to(device)
+    logits_PV, cache = _step(model, ids_PL, mask_PL.long(), _positions(mask_PL), None)
+    cache.batch_repeat_interleave(group_size)
+    logits_bV = logits_PV.repeat_interleave(group_size, dim=0)
+    attn_bL = mask_PL.long().repeat_interleave(group_size, dim=0)
+
+    out_BT = torch.full((B, params.max_new_tokens), pad, dtype=torch.long)
+    mask_BT = torch.zeros((B, params.max_new_tokens), dtype=torch.bool)
+    finished_B = torch.zeros(B, dtype=torch.bool)
+    active = torch.arange(B)  # rows still decoding, as indices into the B rows
+
+    for t in range(params.max_new_tokens):
+        next_b = _sample_next(logits_bV, params, generator).cpu()
+        out_BT[active, t] = next_b
+        mask_BT[active, t] = True
+        done_b = next_b == eos if eos is not None else torch.zeros_like(next_b, dtype=torch.bool)
+        if params.stop:
+            done_b |= _hits_stop(tokenizer, out_BT[active, : t + 1], params.stop)
+        finished_B[active[done_b]] = True
+        if t == params.max_new_tokens - 1 or bool(done_b.all()):
+            break
+        keep_b = ~done_b
+        if not bool(keep_b.all()):  # drop finished rows from the batch and the cache
+            cache.batch_select_indices(keep_b.nonzero().flatten().to(device))
+            attn_bL = attn_bL[keep_b.to(device)]
+            active, next_b = active[keep_b], next_b[keep_b]
+        attn_bL = torch.cat([attn_bL, attn_bL.new_ones(attn_bL.shape[0], 1)], dim=1)
+        pos_b1 = attn_bL.sum(dim=1, keepdim=True) - 1
+        logits_bV, cache = _step(model, next_b[:, None].to(device), attn_bL, pos_b1, cache)
+
+    T = int(mask_BT.sum(dim=1).max())
+    out_BT, mask_BT = out_BT[:, :T], mask_BT[:, :T]
+    texts = [
+        tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
+        for row, m in zip(out_BT, mask_BT, strict=True)
+    ]
+    return Rollout(prompt_ids, prompt_mask, out_BT, mask_BT, ~finished_B, texts, group_size)
+
+
+def _sample_next(
+    logits_bV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), after top-k and top-p filtering."""
+    if params.temperature == 0:
+        return logits_bV.argmax(dim=-1)
+    z_bV = logits_bV.float() / params.temperature
+    if 0 < params.top_k < z_bV.shape[-1]:
+        kth_b1 = torch.topk(z_bV, params.top_k, dim=-1).values[:, -1:]
+        z_bV = z_bV.masked_fill(z_bV < kth_b1, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_bV, order_bV = torch.sort(z_bV, dim=-1, descending=True)
+        p_bV = torch.softmax(sorted_bV, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first token always stays)
+        drop_bV = (p_bV.cumsum(dim=-1) - p_bV) >= params.top_p
+        z_bV = z_bV.scatter(-1, order_bV, sorted_bV.masked_fill(drop_bV, float("-inf")))
+    probs_bV = torch.softmax(z_bV, dim=-1)
+    return torch.multinomial(probs_bV, 1, generator=generator).squeeze(-1)
+
+
+def _hits_stop(tokenizer, ids_bt: torch.Tensor, stop: tuple[str, ...]) -> torch.Tensor:
+    texts = tokenizer.batch_decode(ids_bt.tolist(), skip_special_tokens=True)
+    return torch.tensor([any(s in text for s in stop) for text in texts], dtype=torch.bool)
+
+
+def _positions(mask_PL: torch.Tensor) -> torch.Tensor:
+    """Position ids under left padding: 0 at each row's first real token."""
+    return (mask_PL.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def _step(model, ids, attn, positions, cache):
+    """One forward returning the last position's logits [b, V] and the cache (transformers 4.x and 5.x)."""
+    kw = {"logits_to_keep": 1} if accepts_kwarg(model, "logits_to_keep") else {}
+    if cache is not None:
+        kw["cache" if accepts_kwarg(model, "cache") else "past_key_values"] = cache
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, **kw)
+    new_cache = out.cache if "cache" in out else out.past_key_values
+    return out.logits[:, -1], new_cache

@@ -1,0 +1,1 @@
+"""Training: the GRPO loop (``trainer``), batching and gradients (``batch``), logs (``metrics``)."""

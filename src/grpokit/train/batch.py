@@ -1,0 +1,205 @@
+"""From a scored rollout to gradients: micro-batch planning, collation, log-probs, accumulated backward.
+
+What it does:
+- ``plan_micro_batches`` groups rows of similar length (longest first) under a row cap and an
+  optional padded-token budget, so padding costs little;
+- ``collate`` lays one micro-batch out as ``[left pad | prompt | completion | right pad]``;
+- ``completion_logprobs`` runs the model and returns the completion tokens' log-probs at the
+  sampling temperature (logits only for completion positions; ``algo.token_logprobs``);
+- ``accumulate_policy_gradient`` runs forward/backward over the plan with the loss normalised by
+  the *whole batch's* sequence and token counts, so the accumulated gradient equals the
+  full-batch gradient whatever the micro-batch split (tested).
+
+What it deliberately does not do: step the optimizer, sample, or score (the trainer sequences those).
+
+Shape legend: B rows (completions), T completion width, b rows in a micro-batch, L prompt width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpokit.algo import policy_loss, token_entropy, token_logprobs
+from grpokit.models.loading import accepts_kwarg
+from grpokit.rollout.sampler import Rollout
+
+
+@dataclass
+class TrainBatch:
+    """The rows one optimizer step trains on."""
+
+    prompt_ids: list[torch.Tensor]  # [B] unpadded prompt ids of each row (shared within a group)
+    completion_ids: torch.Tensor  # [B, T]
+    completion_mask: torch.Tensor  # [B, T] bool: tokens that get a loss
+    advantages: torch.Tensor  # [B]
+
+    @classmethod
+    def from_rollout(cls, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None):
+        prompts = [ids[m] for ids, m in zip(rollout.prompt_ids, rollout.prompt_mask, strict=True)]
+        rows = [prompts[i // rollout.group_size] for i in range(rollout.num_rows)]
+        mask = rollout.completion_mask if loss_mask is None else loss_mask
+        return cls(rows, rollout.completion_ids, mask, advantages)
+
+    @property
+    def num_rows(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def total_lengths(self) -> list[int]:
+        comp = self.completion_mask.sum(dim=1).tolist()
+        return [len(p) + c for p, c in zip(self.prompt_ids, comp, strict=True)]
+
+
+@dataclass
+class MicroBatch:
+    rows: torch.Tensor  # [b] indices into the TrainBatch
+    input_ids: torch.Tensor  # [b, L + T']
+    attention_mask: torch.Tensor  # [b, L + T']
+    position_ids: torch.Tensor  # [b, L + T']
+    prompt_width: int  # L
+    completion_ids: torch.Tensor  # [b, T'] (T' = longest completion in this micro-batch)
+    completion_mask: torch.Tensor  # [b, T'] bool
+
+
+def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Rows sorted by length (longest first, ties by index) and packed greedily.
+
+    A micro-batch holds at most ``max_rows`` rows and, if ``max_tokens`` is set, at most
+    ``max_tokens`` padded tokens (rows x its longest row). A single row longer than the budget
+    gets a micro-batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    plan: list[list[int]] = []
+    for i in order:
+        cur = plan[-1] if plan else None
+        fits = cur is not None and len(cur) < max_rows
+        if fits and max_tokens is not None:
+            fits = lengths[cur[0]] * (len(cur) + 1) <= max_tokens  # cur[0] is its longest row
+        if fits:
+            cur.append(i)
+        else:
+            plan.append([i])
+    return plan
+
+
+def collate(batch: TrainBatch, rows: list[int], pad_id: int, device: torch.device) -> MicroBatch:
+    comp_mask = batch.completion_mask[rows]
+    width = max(int(comp_mask.sum(dim=1).max()), 1)
+    comp_ids, comp_mask = batch.completion_ids[rows, :width], comp_mask[:, :width]
+    prompts = [batch.prompt_ids[r] for r in rows]
+    L = max(len(p) for p in prompts)
+    b = len(rows)
+    input_ids = torch.full((b, L + width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, L + width), dtype=torch.long)
+    for j, p in enumerate(prompts):
+        input_ids[j, L - len(p) : L] = p
+        attn[j, L - len(p) : L] = 1
+    input_ids[:, L:] = torch.where(comp_mask, comp_ids, torch.full_like(comp_ids, pad_id))
+    attn[:, L:] = comp_mask.long()
+    positions = (attn.cumsum(dim=1) - 1).clamp(min=0)
+    return MicroBatch(
+        torch.tensor(rows),
+        input_ids.to(device),
+        attn.to(device),
+        positions.to(device),
+        L,
+        comp_ids.to(device),
+        comp_mask.to(device),
+    )
+
+
+def completion_logprobs(
+    model, mb: MicroBatch, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[b, T']`` of the completion tokens (and their entropies) under ``model``.
+
+    The logits at position L-1+t predict completion token t; only those T' positions (plus the
+    last) are projected to the vocabulary when the model supports ``logits_to_keep``.
+    """
+    T = mb.completion_ids.shape[1]
+    kw = {"logits_to_keep": T + 1} if accepts_kwarg(model, "logits_to_keep") else {}
+    logits = model(
+        input_ids=mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
+        use_cache=False,
+        **kw,
+    ).logits
+    logits_bTV = logits[:, :T] if kw else logits[:, mb.prompt_width - 1 : mb.prompt_width - 1 + T]
+    logp = token_logprobs(logits_bTV, mb.completion_ids, temperature=temperature)
+    entropy = token_entropy(logits_bTV.detach(), temperature=temperature) if with_entropy else None
+    return logp, entropy
+
+
+@torch.no_grad()
+def batch_logprobs(
+    model, batch: TrainBatch, plan: list[list[int]], pad_id: int, temperature: float
+) -> torch.Tensor:
+    """``[B, T]`` log-probs of every completion token under ``model`` (for pi_old and pi_ref), no grad."""
+    param = next(model.parameters())
+    out = torch.zeros(batch.completion_ids.shape, dtype=torch.promote_types(param.dtype, torch.float32))
+    for rows in plan:
+        mb = collate(batch, rows, pad_id, param.device)
+        logp, _ = completion_logprobs(model, mb, temperature)
+        out[rows, : logp.shape[1]] = logp.cpu()
+    return out
+
+
+def accumulate_policy_gradient(
+    model,
+    batch: TrainBatch,
+    plan: list[list[int]],
+    pad_id: int,
+    *,
+    temperature: float,
+    loss_kwargs: dict,
+    old_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Forward + backward over every micro-batch of ``plan``; gradients accumulate in ``.grad``.
+
+    Args:
+        loss_kwargs: keyword arguments of ``algo.policy_loss`` (clip, beta, aggregation, ...).
+        old_logp: ``[B, T]`` sampling-policy log-probs; None means one inner epoch, where pi_old is
+            the current policy and ``logp.detach()`` is used (no extra forward pass).
+        ref_logp: ``[B, T]`` reference log-probs, or None.
+
+    Returns:
+        Token-weighted means over the batch of the loss metrics, ``entropy`` and ``loss`` (the
+        full-batch loss: the sum of the globally normalised micro-batch losses).
+    """
+    device = next(model.parameters()).device
+    counts = dict(
+        num_sequences=int(batch.completion_mask.any(dim=1).sum()), num_tokens=int(batch.completion_mask.sum())
+    )
+    sums: dict[str, float] = {}
+    loss_total, ratio_max, tokens = 0.0, float("-inf"), 0
+    for rows in plan:
+        mb = collate(batch, rows, pad_id, device)
+        logp, entropy = completion_logprobs(model, mb, temperature, with_entropy=True)
+        T = logp.shape[1]
+        old = logp.detach() if old_logp is None else old_logp[rows, :T].to(device)
+        ref = None if ref_logp is None else ref_logp[rows, :T].to(device)
+        adv = batch.advantages[rows].to(device)
+        loss, m = policy_loss(logp, old, adv, mb.completion_mask, ref_logp=ref, **loss_kwargs, **counts)
+        loss.backward()
+        n = int(m["num_tokens"])
+        if n == 0:
+            continue
+        loss_total += float(loss.detach())
+        tokens += n
+        ratio_max = max(ratio_max, float(m["ratio_max"]))
+        m["entropy"] = entropy[mb.completion_mask].float().mean()
+        for key in (
+            "kl",
+            "clip_fraction",
+            "clip_fraction_low",
+            "clip_fraction_high",
+            "ratio_mean",
+            "entropy",
+        ):
+            sums[key] = sums.get(key, 0.0) + float(m[key]) * n
+    stats = {k: v / tokens for k, v in sums.items()} if tokens else {}
+    stats.update(loss=loss_total, ratio_max=ratio_max if tokens else float("nan"), num_tokens=tokens)
+    return stats

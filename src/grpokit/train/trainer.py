@@ -1,0 +1,340 @@
+"""The GRPO loop: sample -> score -> advantages -> mu inner epochs of micro-batched updates.
+
+What it does: ``GRPOTrainer(config).train()`` runs ``train.max_steps`` steps. Each step takes
+``prompts_per_step`` rows, samples ``group_size`` completions per prompt, scores them with the
+configured rewards, turns rewards into group-relative advantages, and makes ``mu`` optimizer
+steps on that batch with pi_old fixed to the sampling policy. Everything about the run goes to
+the run directory (config.yaml, metrics.jsonl, samples.jsonl, summary.json, final/).
+
+Decisions worth knowing:
+- Dropout is off throughout (the model stays in eval mode): with it on, pi_theta would differ
+  from pi_old at the very first inner step and the ratio would be noise, not 1.
+- A step whose advantages are all zero with beta = 0 has no learning signal; its optimizer step
+  is skipped, because Adam would turn leftover numerical noise into a full-size update.
+- Sampling draws from its own ``torch.Generator``; evaluation is greedy and sample logging uses
+  its own ``random.Random``: changing either never changes the training trajectory.
+
+What it deliberately does not do: checkpoints/resume (issue #6), distributed training (#9).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from grpokit.algo import group_advantages, zero_std_groups
+from grpokit.config import GRPOConfig
+from grpokit.data.datasets import RowsSource, check_rows, format_prompt, read_jsonl
+from grpokit.data.tasks import TaskSource
+from grpokit.models.loading import load_model, reference_copy
+from grpokit.rewards.registry import WeightedReward, get, is_verifier, score
+from grpokit.rollout.sampler import Rollout, SamplingParams, pad_token_id, sample
+from grpokit.train.batch import TrainBatch, accumulate_policy_gradient, batch_logprobs, plan_micro_batches
+from grpokit.train.evaluate import evaluate
+from grpokit.train.metrics import RunLogger, json_safe
+
+
+class GRPOTrainer:
+    """Train a causal LM with GRPO. Arguments left as None are built from ``config``.
+
+    Args:
+        config: the run's :class:`~grpokit.config.GRPOConfig`.
+        model, tokenizer: a Hugging Face causal LM and its tokenizer (default: ``config.model``).
+        rewards: reward callables ``(prompts, completions, **columns) -> list[float | None]`` or
+            :class:`WeightedReward` (default: ``config.rewards``).
+        dataset: training rows (dicts with the prompt column); default: ``config.data``.
+        eval_dataset: held-out rows; default: ``data.eval_path`` or the task's held-out split.
+    """
+
+    def __init__(
+        self, config: GRPOConfig, model=None, tokenizer=None, rewards=None, dataset=None, eval_dataset=None
+    ) -> None:
+        self.cfg = cfg = config
+        torch.manual_seed(cfg.train.seed)
+        random.seed(cfg.train.seed)
+        self.train_source, self.eval_rows = _build_data(cfg, dataset, eval_dataset)
+        self.rewards = _build_rewards(cfg, rewards)
+        if cfg.train.eval_every and not self.eval_rows:
+            raise ValueError(
+                "train.eval_every > 0 needs held-out rows: set data.eval_path or use a data.task"
+            )
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if model is None:
+            model, tokenizer = load_model(cfg.model.name_or_path, cfg.model.dtype, device)
+        if tokenizer is None:
+            raise ValueError("a model was given without its tokenizer; pass tokenizer= too")
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.device = next(model.parameters()).device
+        self.pad_id = pad_token_id(tokenizer)
+        self.ref_model = reference_copy(model) if cfg.algo.beta > 0 else None
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.generator = torch.Generator(self.device).manual_seed(cfg.train.seed)
+        r = cfg.rollout
+        self.sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop))
+        self.step, self.rows_consumed, self.num_skipped_steps = 0, 0, 0
+        self.run_dir = Path(cfg.train.output_dir)
+
+    # ---------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        self._prepare_run_dir()
+        logger = RunLogger(self.run_dir, cfg.train.max_steps, cfg.train.quiet, start_step=self.step)
+        before = self._evaluate() if self.eval_rows else None
+        last: dict = {}
+        try:
+            while self.step < cfg.train.max_steps:
+                self.step += 1
+                last, samples = self.train_step()
+                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                    ev = self._evaluate()
+                    last.update(eval_reward_mean=ev["reward_mean"], eval_accuracy=ev["accuracy"])
+                logger.log_step(last)
+                logger.log_samples(samples)
+        finally:
+            logger.close()
+        after = self._evaluate() if self.eval_rows else None
+        summary = self._summary(last, before, after, time.perf_counter() - t0)
+        (self.run_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
+        self.model.save_pretrained(self.run_dir / "final")
+        self.tokenizer.save_pretrained(self.run_dir / "final")
+        return summary
+
+    def train_step(self) -> tuple[dict, list[dict]]:
+        """One generation step: the stages in order. Returns (metrics, sample rows)."""
+        cfg, G = self.cfg, self.cfg.rollout.group_size
+        t0 = time.perf_counter()
+        rows, prompts = self._next_prompts(cfg.train.prompts_per_step)
+        rollout = sample(self.model, self.tokenizer, prompts, G, self.sampling, self.generator)
+        t1 = time.perf_counter()
+        columns = _reward_columns(rows, G, cfg.data.prompt_column, cfg.data.answer_column)
+        prompts_B = [p for p in prompts for _ in range(G)]
+        scores = score(self.rewards, prompts_B, rollout.completions, columns)
+        a = cfg.algo
+        adv_B = group_advantages(scores.total, G, estimator=a.estimator, scale=a.scale, eps=a.eps)
+        t2 = time.perf_counter()
+        stats = self._update(TrainBatch.from_rollout(rollout, adv_B))
+        t3 = time.perf_counter()
+        metrics = _step_metrics(self.step, rollout, scores, adv_B, stats, (t0, t1, t2, t3))
+        metrics["num_skipped_steps"] = self.num_skipped_steps
+        return metrics, self._sample_rows(prompts_B, rollout, scores, adv_B)
+
+    def _update(self, batch: TrainBatch) -> dict:
+        """``mu`` optimizer steps on one batch, gradients accumulated over micro-batches."""
+        cfg, a = self.cfg, self.cfg.algo
+        if a.beta == 0 and bool((batch.advantages == 0).all()):
+            self.num_skipped_steps += 1
+            return {"loss": 0.0, "optimizer_step_skipped": 1, "grad_norm": 0.0, "lr": self._lr(self.step - 1)}
+        plan = plan_micro_batches(
+            batch.total_lengths(), cfg.train.micro_batch_size, cfg.train.micro_batch_tokens
+        )
+        tau = cfg.rollout.temperature
+        ref_logp = batch_logprobs(self.ref_model, batch, plan, self.pad_id, tau) if self.ref_model else None
+        old_logp = batch_logprobs(self.model, batch, plan, self.pad_id, tau) if cfg.train.mu > 1 else None
+        loss_kwargs = dict(
+            beta=a.beta,
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            ratio_level=a.ratio_level,
+            aggregation=a.aggregation,
+            max_completion_length=cfg.rollout.max_new_tokens,
+            kl_kind=a.kl,
+        )
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        epochs = []
+        for epoch in range(cfg.train.mu):
+            lr = self._lr((self.step - 1) * cfg.train.mu + epoch)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.zero_grad(set_to_none=True)
+            stats = accumulate_policy_gradient(
+                self.model,
+                batch,
+                plan,
+                self.pad_id,
+                temperature=tau,
+                loss_kwargs=loss_kwargs,
+                old_logp=old_logp,
+                ref_logp=ref_logp,
+            )
+            max_norm = cfg.train.max_grad_norm or float("inf")
+            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            self.optimizer.step()
+            epochs.append(stats)
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {k: sum(e[k] for e in epochs) / len(epochs) for k in epochs[0] if k != "ratio_max"}
+        out.update(ratio_max=max(e["ratio_max"] for e in epochs), optimizer_step_skipped=0, lr=lr)
+        return out
+
+    def _lr(self, k: int) -> float:
+        """Learning rate of optimizer step k (0-based): linear warm-up, then constant or cosine to 0."""
+        t, total = self.cfg.train, self.cfg.train.max_steps * self.cfg.train.mu
+        if k < t.warmup_steps:
+            return t.lr * (k + 1) / t.warmup_steps
+        if t.lr_schedule == "constant":
+            return t.lr
+        progress = (k - t.warmup_steps) / max(1, total - t.warmup_steps)
+        return t.lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    # ---------------------------------------------------------------------------------------
+    def _next_prompts(self, n: int) -> tuple[list[dict], list[str]]:
+        rows = [self.train_source.row(self.rows_consumed + i) for i in range(n)]
+        self.rows_consumed += n
+        d = self.cfg.data
+        return rows, [format_prompt(r, d.prompt_column, d.template) for r in rows]
+
+    def _evaluate(self) -> dict:
+        d, rows = self.cfg.data, self.eval_rows[: self.cfg.train.eval_max_prompts]
+        prompts = [format_prompt(r, d.prompt_column, d.template) for r in rows]
+        return evaluate(
+            self.model,
+            self.tokenizer,
+            _with_answer(rows, d.answer_column),
+            prompts,
+            self.rewards,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            stop=tuple(self.cfg.rollout.stop),
+        )
+
+    def _sample_rows(self, prompts_B: list[str], rollout: Rollout, scores, adv_B: torch.Tensor) -> list[dict]:
+        rng = random.Random(f"{self.cfg.train.seed}:samples:{self.step}")
+        picks = sorted(rng.sample(range(rollout.num_rows), min(self.cfg.train.log_samples, rollout.num_rows)))
+        return [
+            {
+                "step": self.step,
+                "prompt": prompts_B[i],
+                "completion": rollout.completions[i],
+                "reward": float(scores.total[i]),
+                "advantage": float(adv_B[i]),
+                "rewards": {k: float(v[i]) for k, v in scores.per_reward.items()},
+            }
+            for i in picks
+        ]
+
+    def _prepare_run_dir(self) -> None:
+        if (self.run_dir / "metrics.jsonl").exists():
+            raise FileExistsError(
+                f"{self.run_dir} already holds a run (metrics.jsonl); choose another train.output_dir "
+                "(--output-dir) or delete it"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg.save(self.run_dir / "config.yaml")
+
+    def _summary(self, last: dict, before: dict | None, after: dict | None, wall: float) -> dict:
+        s = {
+            "steps": self.step,
+            "wall_time_s": round(wall, 3),
+            "world_size": 1,
+            "num_skipped_steps": self.num_skipped_steps,
+            "final_step_metrics": last,
+        }
+        if self.cfg.data.task is not None:
+            s["task"] = self.cfg.data.task
+        for tag, ev in (("before", before), ("after", after)):
+            if ev is not None:
+                s[f"reward_{tag}"], s[f"accuracy_{tag}"] = ev["reward_mean"], ev["accuracy"]
+                s[f"eval_examples_{tag}"] = ev["examples"]
+        return s
+
+
+# -------------------------------------------------------------------------------------------
+# Stage helpers: pure functions of their inputs.
+# -------------------------------------------------------------------------------------------
+
+
+def _build_data(cfg: GRPOConfig, dataset, eval_dataset) -> tuple:
+    d, seed = cfg.data, cfg.train.seed
+    if dataset is not None:
+        rows = list(dataset)
+        check_rows(rows, d.prompt_column)
+        train = RowsSource(rows, seed=seed)
+    elif d.task is not None:
+        train = TaskSource(d.task, seed=seed)
+    else:
+        train = RowsSource(read_jsonl(d.path, d.prompt_column), seed=seed)
+    if eval_dataset is not None:
+        eval_rows = list(eval_dataset)
+        check_rows(eval_rows, d.prompt_column, "eval dataset")
+    elif d.eval_path is not None:
+        eval_rows = read_jsonl(d.eval_path, d.prompt_column)
+    elif d.task is not None and dataset is None:
+        source = TaskSource(d.task, split="eval")
+        eval_rows = [source.row(i) for i in range(len(source))]
+    else:
+        eval_rows = []
+    return train, eval_rows
+
+
+def _build_rewards(cfg: GRPOConfig, rewards) -> list[WeightedReward]:
+    if rewards is not None:
+        out = []
+        for r in rewards:
+            out.append(
+                r if isinstance(r, WeightedReward) else WeightedReward(getattr(r, "__name__", "reward"), r)
+            )
+        return out
+    out = []
+    for spec in cfg.rewards:
+        options = dict(spec.options)
+        if spec.name == "task_verifier" and "task" not in options:
+            if cfg.data.task is None:
+                raise ValueError("reward task_verifier needs data.task (or rewards[].options.task)")
+            options["task"] = cfg.data.task
+        verifier = is_verifier(spec.name) if spec.verifier is None else spec.verifier
+        out.append(WeightedReward(spec.name, get(spec.name, **options), spec.weight, verifier))
+    return out
+
+
+def _with_answer(rows: list[dict], answer_column: str) -> list[dict]:
+    if answer_column == "answer":
+        return rows
+    return [{**r, "answer": r[answer_column]} if answer_column in r else r for r in rows]
+
+
+def _reward_columns(rows: list[dict], G: int, prompt_column: str, answer_column: str) -> dict[str, list]:
+    """Every non-prompt column, repeated G times to line up with the completions."""
+    rows = _with_answer(rows, answer_column)
+    keys = [k for k in rows[0] if k != prompt_column]
+    return {k: [r.get(k) for r in rows for _ in range(G)] for k in keys}
+
+
+def _step_metrics(step: int, rollout: Rollout, scores, adv_B: torch.Tensor, stats: dict, times) -> dict:
+    t0, t1, t2, t3 = times
+    total, lengths = scores.total, rollout.completion_lengths.float()
+    nan = float("nan")
+    m = {
+        "step": step,
+        "loss": stats["loss"],
+        "reward_mean": float(total.mean()),
+        "reward_std": float(total.std()),
+        **{f"reward_{k}_mean": float(v.nanmean()) for k, v in scores.per_reward.items()},
+        "accuracy": None if scores.verifier is None else float(scores.verifier.nanmean()),
+        "advantage_mean": float(adv_B.mean()),
+        "advantage_std": float(adv_B.std()),
+        "advantage_abs_mean": float(adv_B.abs().mean()),
+        "zero_std_fraction": float(zero_std_groups(total, rollout.group_size).float().mean()),
+        "kl": stats.get("kl", nan),
+        "clip_fraction": stats.get("clip_fraction", 0.0),
+        "clip_fraction_low": stats.get("clip_fraction_low", 0.0),
+        "clip_fraction_high": stats.get("clip_fraction_high", 0.0),
+        "ratio_mean": stats.get("ratio_mean", nan),
+        "ratio_max": stats.get("ratio_max", nan),
+        "entropy": stats.get("entropy", nan),
+        "completion_length_mean": float(lengths.mean()),
+        "completion_length_max": int(lengths.max()),
+        "truncated_fraction": float(rollout.truncated.float().mean()),
+        "grad_norm": stats["grad_norm"],
+        "lr": stats["lr"],
+        "optimizer_step_skipped": stats["optimizer_step_skipped"],
+        "num_unscored": scores.num_unscored,
+        "time_sampling_s": t1 - t0,
+        "time_scoring_s": t2 - t1,
+        "time_training_s": t3 - t2,
+        "tokens_per_s": float(lengths.sum()) / max(t3 - t0, 1e-9),
+    }
+    return m

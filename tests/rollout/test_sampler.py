@@ -1,0 +1,168 @@
+"""The sampler draws from the model's distribution, matches HF greedy decoding, and is seeded."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpokit.rollout.sampler import SamplingParams, encode_prompts, sample
+
+
+def chi_square_bound(df: int, z: float = 4.5) -> float:
+    """Wilson-Hilferty upper quantile of chi^2(df) at about 1 - 3e-6 (z = 4.5)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic, pooling bins with expected count < 5 into one."""
+    n = counts.sum()
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def next_token_probs(model, tokenizer, text: str, temperature: float) -> torch.Tensor:
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1]
+    return torch.softmax(logits.double() / temperature, -1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_first_and_second_token_follow_the_model(peaky, temperature):
+    model, tok = peaky
+    N = 20000
+    g = torch.Generator().manual_seed(0)
+    r = sample(model, tok, ["12+34="], N, SamplingParams(max_new_tokens=2, temperature=temperature), g)
+    V = len(tok)
+    first = r.completion_ids[:, 0]
+    stat, df = chi_square(
+        torch.bincount(first, minlength=V), next_token_probs(model, tok, "12+34=", temperature)
+    )
+    assert stat < chi_square_bound(df), (stat, df)
+
+    # second token, conditioned on the most frequent first token: exercises the repeated KV cache
+    top = int(torch.bincount(first, minlength=V).argmax())
+    rows = (first == top) & r.completion_mask[:, 1]
+    second = r.completion_ids[rows, 1]
+    probs = next_token_probs(model, tok, "12+34=" + tok.decode([top]), temperature)
+    stat, df = chi_square(torch.bincount(second, minlength=V), probs)
+    assert rows.sum() > 1000 and stat < chi_square_bound(df), (stat, df)
+
+
+def test_chi_square_check_has_power(peaky):
+    # the same test rejects samples drawn at the wrong temperature
+    model, tok = peaky
+    r = sample(
+        model,
+        tok,
+        ["7*8="],
+        20000,
+        SamplingParams(max_new_tokens=1, temperature=1.0),
+        torch.Generator().manual_seed(1),
+    )
+    stat, df = chi_square(
+        torch.bincount(r.completion_ids[:, 0], minlength=len(tok)), next_token_probs(model, tok, "7*8=", 0.7)
+    )
+    assert stat > chi_square_bound(df)
+
+
+def test_top_k_and_top_p_restrict_the_support(peaky):
+    model, tok = peaky
+    probs = next_token_probs(model, tok, "9-3=", 1.0)
+    g = torch.Generator().manual_seed(2)
+    r = sample(model, tok, ["9-3="], 20000, SamplingParams(max_new_tokens=1, top_k=5), g)
+    top5 = torch.topk(probs, 5).indices
+    counts = torch.bincount(r.completion_ids[:, 0], minlength=len(tok))
+    assert set(counts.nonzero().flatten().tolist()) <= set(top5.tolist())
+    renorm = torch.zeros_like(probs)
+    renorm[top5] = probs[top5] / probs[top5].sum()
+    stat, df = chi_square(counts, renorm)
+    assert stat < chi_square_bound(df)
+
+    sorted_p, order = torch.sort(probs, descending=True)
+    k = int((sorted_p.cumsum(0) < 0.5).sum()) + 1  # smallest set with mass >= 0.5
+    r = sample(model, tok, ["9-3="], 20000, SamplingParams(max_new_tokens=1, top_p=0.5), g)
+    counts = torch.bincount(r.completion_ids[:, 0], minlength=len(tok))
+    assert set(counts.nonzero().flatten().tolist()) <= set(order[:k].tolist())
+    assert (counts[order[:k]] > 0).all()
+
+
+def test_greedy_matches_hf_generate_token_for_token(peaky):
+    model, tok = peaky
+    prompts = ["12+34=", "5=", "(1+2)*3="]  # different lengths: left padding is exercised
+    r = sample(model, tok, prompts, 1, SamplingParams(max_new_tokens=12, temperature=0))
+    ids, mask = encode_prompts(tok, prompts)
+    with torch.no_grad():
+        hf = model.generate(
+            input_ids=ids,
+            attention_mask=mask.long(),
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    hf = hf[:, ids.shape[1] :]
+    for i in range(len(prompts)):
+        ours = r.completion_ids[i][r.completion_mask[i]].tolist()
+        theirs = hf[i].tolist()
+        if tok.eos_token_id in theirs:
+            theirs = theirs[: theirs.index(tok.eos_token_id) + 1]
+        assert ours == theirs, i
+
+
+def test_same_seed_same_completions_and_different_seed_differs(peaky):
+    model, tok = peaky
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    a = sample(model, tok, ["1+1=", "2+2="], 4, params, torch.Generator().manual_seed(5))
+    b = sample(model, tok, ["1+1=", "2+2="], 4, params, torch.Generator().manual_seed(5))
+    c = sample(model, tok, ["1+1=", "2+2="], 4, params, torch.Generator().manual_seed(6))
+    assert torch.equal(a.completion_ids, b.completion_ids) and a.completions == b.completions
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+
+
+def test_layout_masks_truncation_and_stop_strings(peaky):
+    model, tok = peaky
+    params = SamplingParams(max_new_tokens=6, temperature=1.5)
+    r = sample(model, tok, ["3+4=", "10-2="], 5, params, torch.Generator().manual_seed(7))
+    assert r.num_rows == 10 and r.prompt_ids.shape[0] == 2 and r.group_size == 5
+    for i in range(10):
+        m = r.completion_mask[i]
+        n = int(m.sum())
+        assert n >= 1 and m[:n].all() and not m[n:].any()  # right-padded, contiguous
+        ends_eos = r.completion_ids[i, n - 1] == tok.eos_token_id
+        assert bool(r.truncated[i]) == (not ends_eos and n == 6)
+        assert (r.completion_ids[i, n:] == tok.pad_token_id).all()
+
+    stop = SamplingParams(max_new_tokens=30, temperature=1.5, stop=("1",))
+    r = sample(model, tok, ["3+4="], 40, stop, torch.Generator().manual_seed(8))
+    for i, text in enumerate(r.completions):
+        n = int(r.completion_mask[i].sum())
+        if "1" in text:  # stopped right at the stop string's last token
+            assert text.endswith("1") and text.count("1") == 1 and not r.truncated[i]
+        else:
+            assert r.truncated[i] or r.completion_ids[i, n - 1] == tok.eos_token_id
+    assert any("1" in t for t in r.completions)
+
+
+def test_prompt_runs_once_per_group(peaky, monkeypatch):
+    model, tok = peaky
+    seen = []
+    original = model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["input_ids"].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    sample(
+        model, tok, ["12+34=", "5="], 8, SamplingParams(max_new_tokens=3), torch.Generator().manual_seed(0)
+    )
+    assert seen[0] == (2, 6)  # the prompt pass: 2 prompts, not 16 rows
+    assert all(s[1] == 1 for s in seen[1:])  # then one token per step

@@ -1,0 +1,183 @@
+"""End-to-end GRPO runs on a tiny model: finite metrics, a real learning signal, determinism."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from grpokit.config import load_config
+from grpokit.models.loading import load_model
+from grpokit.rewards.registry import WeightedReward
+from grpokit.train.trainer import GRPOTrainer
+
+CONTRACT_KEYS = {
+    "step",
+    "loss",
+    "reward_mean",
+    "reward_std",
+    "kl",
+    "clip_fraction",
+    "completion_length_mean",
+    "zero_std_fraction",
+    "tokens_per_s",
+    "time_sampling_s",
+    "time_scoring_s",
+    "time_training_s",
+}
+TIME_KEYS = {"time_sampling_s", "time_scoring_s", "time_training_s", "tokens_per_s"}
+
+
+def config(tmp_path, model_dir, name="run", **sets):
+    base = {
+        "model.name_or_path": str(model_dir),
+        "train.output_dir": str(tmp_path / name),
+        "train.quiet": True,
+        "train.max_steps": 3,
+        "train.prompts_per_step": 4,
+        "rollout.group_size": 4,
+        "rollout.max_new_tokens": 6,
+        "train.eval_max_prompts": 16,
+        "rollout.temperature": 1.2,
+    }
+    base.update(sets)
+    return load_config(None, [f"{k}={json.dumps(v)}" for k, v in base.items()])
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_three_steps_end_to_end(tmp_path, tiny_dir):
+    cfg = config(tmp_path, tiny_dir, **{"train.mu": 2, "train.micro_batch_size": 5})
+    summary = GRPOTrainer(cfg).train()
+    run = tmp_path / "run"
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert set(r) >= CONTRACT_KEYS
+        for k in CONTRACT_KEYS | {"entropy", "grad_norm", "ratio_mean", "advantage_std", "lr"}:
+            assert r[k] is not None and math.isfinite(r[k]), k
+    assert summary["steps"] == 3 and summary["world_size"] == 1 and summary["wall_time_s"] > 0
+    assert summary["task"] == "addition" and "accuracy_before" in summary and "accuracy_after" in summary
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    samples = [json.loads(s) for s in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 4 and {"prompt", "completion", "reward", "advantage"} <= set(samples[0])
+    reloaded = load_config(run / "config.yaml")
+    assert reloaded.to_dict() == cfg.to_dict()
+    model, _ = load_model(str(run / "final"))
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def first_token_prob(model, tok, prompts, char):
+    target = tok.convert_tokens_to_ids(char)
+    with torch.no_grad():
+        probs = []
+        for p in prompts:
+            logits = model(input_ids=torch.tensor([tok(p)["input_ids"]])).logits[0, -1]
+            probs.append(torch.softmax(logits, -1)[target])
+    return float(torch.stack(probs).mean())
+
+
+def test_reward_for_a_token_raises_its_probability(tmp_path, tiny_dir):
+    model, tok = load_model(str(tiny_dir))
+
+    def likes_seven(prompts, completions, **_):
+        return [1.0 if c.startswith("7") else 0.0 for c in completions]
+
+    cfg = config(
+        tmp_path,
+        tiny_dir,
+        **{
+            "train.max_steps": 20,
+            "train.lr": 1e-2,
+            "algo.beta": 0.0,
+            "rollout.group_size": 8,
+            "rollout.max_new_tokens": 2,
+        },
+    )
+    held_out = ["3+4=", "12+9=", "55+1="]
+    before = first_token_prob(model, tok, held_out, "7")
+    GRPOTrainer(cfg, model=model, tokenizer=tok, rewards=[WeightedReward("likes_seven", likes_seven)]).train()
+    after = first_token_prob(model, tok, held_out, "7")
+    # measured: about 0.012 -> 0.7 in 20 steps; a real signal, not noise
+    assert before < 0.03 and after > 0.3, (before, after)
+    rewards = [r["reward_mean"] for r in read_metrics(tmp_path / "run")]
+    assert sum(rewards[-5:]) > sum(rewards[:5])
+
+
+def strip_times(rows):
+    return [{k: v for k, v in r.items() if k not in TIME_KEYS and not k.startswith("eval_")} for r in rows]
+
+
+def test_same_seed_same_run_and_eval_every_does_not_change_training(tmp_path, tiny_dir):
+    a = config(tmp_path, tiny_dir, "a", **{"algo.beta": 0.0, "train.lr": 1e-3})
+    b = config(tmp_path, tiny_dir, "b", **{"algo.beta": 0.0, "train.lr": 1e-3})
+    c = config(tmp_path, tiny_dir, "c", **{"algo.beta": 0.0, "train.lr": 1e-3, "train.eval_every": 1})
+    for cfg in (a, b, c):
+        GRPOTrainer(cfg).train()
+    ra, rb, rc = (read_metrics(tmp_path / n) for n in "abc")
+    assert strip_times(ra) == strip_times(rb)
+    assert strip_times(ra) == strip_times(rc)
+    assert all(r["eval_accuracy"] is not None for r in rc) and "eval_accuracy" not in ra[0]
+    assert (tmp_path / "a" / "samples.jsonl").read_text() == (tmp_path / "c" / "samples.jsonl").read_text()
+    d = config(tmp_path, tiny_dir, "d", **{"algo.beta": 0.0, "train.lr": 1e-3, "train.seed": 1})
+    GRPOTrainer(d).train()
+    assert strip_times(read_metrics(tmp_path / "d")) != strip_times(ra)
+
+
+def test_no_signal_steps_are_skipped_and_change_nothing(tmp_path, tiny_dir):
+    model, tok = load_model(str(tiny_dir))
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def constant(prompts, completions, **_):
+        return [0.7] * len(completions)
+
+    cfg = config(tmp_path, tiny_dir, **{"algo.beta": 0.0, "train.lr": 1e-2})
+    summary = GRPOTrainer(cfg, model=model, tokenizer=tok, rewards=[constant]).train()
+    rows = read_metrics(tmp_path / "run")
+    assert all(r["optimizer_step_skipped"] == 1 and r["zero_std_fraction"] == 1.0 for r in rows)
+    assert summary["num_skipped_steps"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_kl_is_reported_with_a_reference_and_null_without(tmp_path, tiny_dir):
+    def length(prompts, completions, **_):
+        return [float(len(c)) for c in completions]
+
+    for name, beta in (("kl", 0.1), ("nokl", 0.0)):
+        cfg = config(tmp_path, tiny_dir, name, **{"algo.beta": beta, "train.lr": 1e-2})
+        GRPOTrainer(cfg, rewards=[length]).train()
+    with_ref, without = read_metrics(tmp_path / "kl"), read_metrics(tmp_path / "nokl")
+    assert with_ref[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
+    assert with_ref[-1]["kl"] > 0
+    assert all(r["kl"] is None for r in without)
+
+
+def test_learning_rate_schedule(tmp_path, tiny_dir):
+    cfg = config(
+        tmp_path,
+        tiny_dir,
+        **{
+            "train.lr": 1.0,
+            "train.warmup_steps": 2,
+            "train.lr_schedule": "cosine",
+            "train.max_steps": 4,
+            "train.mu": 2,
+        },
+    )
+    t = GRPOTrainer(cfg)
+    lrs = [t._lr(k) for k in range(8)]
+    assert lrs[:2] == [0.5, 1.0]
+    assert lrs[2] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 5 / 6)))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[1:]))
+
+
+def test_existing_run_dir_is_not_overwritten(tmp_path, tiny_dir):
+    cfg = config(tmp_path, tiny_dir, **{"train.max_steps": 1})
+    GRPOTrainer(cfg).train()
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        GRPOTrainer(cfg).train()
