@@ -95,3 +95,13 @@ def test_every_option_has_help():
     rows = describe()
     assert len(rows) > 30
     assert all(help_text for _, _, help_text in rows), [k for k, _, h in rows if not h]
+
+
+def test_configuration_doc_is_up_to_date():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "config_reference.py"
+    res = subprocess.run([sys.executable, str(script), "--check"])
+    assert res.returncode == 0, "docs/configuration.md is stale: run scripts/config_reference.py"

@@ -36,7 +36,9 @@ def resolve_model_path(name_or_path: str) -> Path:
 def load_model(name_or_path: str, dtype: str = "float32", device: str | torch.device = "cpu"):
     """Return ``(model, tokenizer)``; the model in eval mode (dropout off: see the trainer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # grpokit draws its own progress bar; HF's per-load bars are noise
     path = resolve_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.pad_token is None:
