@@ -1,10 +1,10 @@
-"""Shared fixtures: a tiny Qwen2 model and a character tokenizer, built here, saved to a temp dir."""
+"""Shared fixtures: a tiny Llama model and a character tokenizer, built here, saved to a temp dir."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
+from transformers import LlamaForCausalLM
 
 from grpokit.models.tiny import char_tokenizer, tiny_config
 
@@ -14,14 +14,14 @@ def _save_tiny(path, initializer_range: float):
     torch.manual_seed(1234)
     config = tiny_config(len(tok), hidden_size=32)
     config.initializer_range = initializer_range
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    """A randomly initialised 2-layer Qwen2 model + char tokenizer, saved like any HF model."""
+    """A randomly initialised 2-layer Llama model + char tokenizer, saved like any HF model."""
     return _save_tiny(tmp_path_factory.mktemp("tiny-model"), initializer_range=0.02)
 
 

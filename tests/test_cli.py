@@ -16,7 +16,7 @@ def test_version():
     assert out.returncode == 0 and out.stdout.strip() == f"grpokit {__version__}"
 
 
-@pytest.mark.parametrize("command", ["demo", "eval"])
+@pytest.mark.parametrize("command", ["eval", "export", "lab"])
 def test_unbuilt_commands_say_not_yet_and_fail(command, capsys):
     assert main([command]) == 2
     assert "not yet available" in capsys.readouterr().err
@@ -55,3 +55,13 @@ def test_configuration_errors_exit_2_with_one_clear_line(capsys):
     assert main(["train", "--set", "train.lr=-1"]) == 2
     err = capsys.readouterr().err
     assert "configuration error: train.lr: must be > 0, got -1.0" in err and "Traceback" not in err
+
+
+def test_public_api_names():
+    import grpokit
+
+    assert grpokit.GRPOConfig().train.max_steps == 200
+    assert callable(grpokit.GRPOTrainer) and callable(grpokit.load_task) and callable(grpokit.load_config)
+    assert "task_verifier" in grpokit.rewards.names()
+    with pytest.raises(AttributeError):
+        grpokit.nope  # noqa: B018

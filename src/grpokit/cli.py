@@ -11,16 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import grpokit
 from grpokit.config import ConfigError, load_config
 
 # Subcommands of DESIGN.md that are not built yet, and the issue that builds each.
 _NOT_YET = {
-    "demo": "the embedded demo (issue #4)",
     "eval": "evaluation (issue #6)",
     "export": "export (issue #6)",
-    "report": "the run report (issue #4)",
     "lab": "the reward-hacking lab (issue #10)",
 }
 
@@ -31,8 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     train = sub.add_parser("train", help="train a model with GRPO from a YAML config")
-    train.add_argument("--config", help="YAML config file (see docs/configuration.md); omitted: all defaults")
+    train.add_argument(
+        "--config", help="YAML config file or a built-in config name (demo); omitted: all defaults"
+    )
     _add_run_options(train)
+
+    demo = sub.add_parser("demo", help="train the embedded tiny model on a built-in task and show it improve")
+    demo.add_argument("--task", help="built-in task (default: sort); see grpokit.data.tasks")
+    demo.add_argument("--steps", type=int, help="GRPO steps (default: 300)")
+    demo.add_argument("--seed", type=int, help="seed of the run (default: 0)")
+    _add_run_options(demo)
+
+    report = sub.add_parser("report", help="write report.html for a run directory")
+    report.add_argument("run_dir", help="a grpokit run directory")
 
     for name, what in _NOT_YET.items():
         p = sub.add_parser(name, help=f"(not yet available: {what})")
@@ -71,6 +81,63 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from grpokit.train.trainer import GRPOTrainer
+
+    overrides = [f"data.task={args.task}"] if args.task else []
+    overrides += [f"train.max_steps={args.steps}"] if args.steps is not None else []
+    overrides += [f"train.seed={args.seed}"] if args.seed is not None else []
+    if not args.output_dir:
+        overrides.append(f"train.output_dir=runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = load_config("demo", overrides + _overrides(args))
+    console = Console()
+    console.print(
+        f"[bold]grpokit demo[/]: GRPO on the embedded tiny model, task [cyan]{cfg.data.task}[/], "
+        f"{cfg.train.max_steps} steps x {cfg.train.prompts_per_step} prompts "
+        f"x {cfg.rollout.group_size} samples, "
+        f"held-out greedy accuracy on {cfg.train.eval_max_prompts} problems before and after."
+    )
+    summary = GRPOTrainer(cfg).train()
+
+    table = Table(
+        title=f"held-out accuracy, task {cfg.data.task} (greedy, {cfg.train.eval_max_prompts} problems)"
+    )
+    for col in ("", "before", "after"):
+        table.add_column(col)
+    table.add_row(
+        "accuracy", f"{summary['accuracy_before']:.1%}", f"[bold green]{summary['accuracy_after']:.1%}"
+    )
+    table.add_row("reward", f"{summary['reward_before']:.3f}", f"{summary['reward_after']:.3f}")
+    console.print(table)
+    samples = Table(title="sample completions (held-out)")
+    for col in ("prompt", "expected", "before", "after"):
+        samples.add_column(col)
+    for b, a in zip(summary["eval_examples_before"], summary["eval_examples_after"], strict=True):
+        mark = {1.0: "[green]", 0.0: "[red]"}
+        samples.add_row(
+            b["prompt"],
+            str(b.get("answer")),
+            f"{mark.get(b['reward'], '')}{b['completion']}",
+            f"{mark.get(a['reward'], '')}{a['completion']}",
+        )
+    console.print(samples)
+    console.print(
+        f"{summary['steps']} steps in {summary['wall_time_s']:.1f} s; run directory: "
+        f"{cfg.train.output_dir}; report: {cfg.train.output_dir}/report.html"
+    )
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from grpokit.report import write_report
+
+    print(f"wrote {write_report(args.run_dir)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -84,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        return {"train": cmd_train}[args.command](args)
+        return {"train": cmd_train, "demo": cmd_demo, "report": cmd_report}[args.command](args)
     except ConfigError as e:
         print(f"grpokit {args.command}: configuration error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+BUILTIN_CONFIGS = Path(__file__).resolve().parent / "configs"
+
 
 class ConfigError(ValueError):
     """A configuration problem, reported before any model is loaded."""
@@ -123,6 +125,14 @@ class TrainConfig:
 
 
 @dataclass
+class LoggingConfig:
+    tensorboard: bool = _f(
+        False, "Also write metrics to TensorBoard (run_dir/tensorboard); needs grpokit[tensorboard]."
+    )
+    report: bool = _f(True, "Write report.html (plots and samples) at the end of the run.")
+
+
+@dataclass
 class RewardSpec:
     name: str = _f("task_verifier", "Registered reward name, or 'module.path:function'.")
     weight: float = _f(1.0, "Weight in the summed reward.")
@@ -140,6 +150,7 @@ class GRPOConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     rewards: list[RewardSpec] = field(
         default_factory=lambda: [RewardSpec()], metadata={"help": "Reward functions, summed with weights."}
     )
@@ -231,6 +242,13 @@ def validate(cfg: GRPOConfig) -> None:
     _check("train.weight_decay", t.weight_decay >= 0, t.weight_decay, ">= 0")
     _check("train.max_grad_norm", t.max_grad_norm >= 0, t.max_grad_norm, ">= 0 (0 disables)")
     _check("train.eval_every", t.eval_every >= 0, t.eval_every, ">= 0 (0 disables)")
+    if cfg.logging.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(
+                "logging.tensorboard: true needs the tensorboard package: pip install 'grpokit[tensorboard]'"
+            )
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward is needed, e.g. [{name: task_verifier}]")
     for i, spec in enumerate(cfg.rewards):
@@ -253,14 +271,19 @@ def load_config(
 ) -> GRPOConfig:
     """Build a validated config from a YAML file (or ``base`` dict) plus ``key=value`` overrides.
 
+    ``path`` may also name a built-in config (``"demo"``: src/grpokit/configs/demo.yaml).
+
     Overrides use dotted keys (``train.max_steps=6``, ``rollout.stop=["\\n"]``); values are
     parsed as YAML, so lists and numbers work as typed.
     """
     raw: dict[str, Any] = dict(base or {})
     if path is not None:
         p = Path(path)
+        if not p.is_file() and (BUILTIN_CONFIGS / f"{path}.yaml").is_file():
+            p = BUILTIN_CONFIGS / f"{path}.yaml"
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+            names = ", ".join(sorted(q.stem for q in BUILTIN_CONFIGS.glob("*.yaml")))
+            raise ConfigError(f"config file {str(p)!r} does not exist (built-in configs: {names})")
         loaded = yaml.safe_load(p.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(

@@ -13,8 +13,10 @@ surrounding whitespace, must equal the answer: a verifier that accepts near-miss
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 from grpokit.rewards.registry import register
 
@@ -24,7 +26,7 @@ class Task:
     name: str
     description: str
     make: Callable[[random.Random, int], tuple[str, str]]  # (rng, difficulty) -> (prompt, answer)
-    verify: Callable[[str, str], float]  # (completion, answer) -> 1.0 | 0.0
+    verify: Callable[[str, str, str], float]  # (prompt, completion, answer) -> 1.0 | 0.0
     default_difficulty: int
 
 
@@ -37,13 +39,120 @@ def _make_addition(rng: random.Random, digits: int) -> tuple[str, str]:
     return f"{a}+{b}=", str(a + b)
 
 
+def _make_sort(rng: random.Random, length: int) -> tuple[str, str]:
+    digits = "".join(rng.choice("0123456789") for _ in range(length))
+    return f"sort:{digits}=", "".join(sorted(digits))
+
+
+# --- Countdown: reach the target with each given number exactly once and + - * / ( ). ---------
+
+
+def _make_countdown(rng: random.Random, count: int) -> tuple[str, str]:
+    """Numbers 1..9 combined by a random expression; the target is its value (a positive integer),
+    so every problem has a solution. The answer column holds one solution (any other counts too)."""
+    for _ in range(1000):
+        nums = [rng.randint(1, 9) for _ in range(count)]
+        expr = str(nums[0])
+        for n in nums[1:]:
+            op = rng.choice("+-*/")
+            expr = f"({expr}){op}{n}" if op in "*/" and any(c in expr for c in "+-") else f"{expr}{op}{n}"
+        value = evaluate_arithmetic(expr)
+        if value is not None and value.denominator == 1 and 0 < value <= 99:
+            shuffled = nums[:]
+            rng.shuffle(shuffled)
+            return f"{int(value)} from {' '.join(map(str, shuffled))}=", expr
+    raise RuntimeError("could not draw a countdown problem")  # unreachable for count >= 1
+
+
+def evaluate_arithmetic(expr: str) -> Fraction | None:
+    """Exact value of an expression of non-negative integers, + - * / and parentheses, or None.
+
+    A small recursive-descent parser over Fractions: never ``eval``; None for anything malformed,
+    division by zero, or more than 64 tokens (bounds the work a completion can cause).
+    """
+    tokens = _TOKEN.findall(expr.replace(" ", ""))
+    if not tokens or "".join(tokens) != expr.replace(" ", "") or len(tokens) > 64:
+        return None
+    pos = 0
+
+    def peek() -> str | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take() -> str:
+        nonlocal pos
+        pos += 1
+        return tokens[pos - 1]
+
+    def expression(depth: int) -> Fraction:
+        value = term(depth)
+        while peek() in ("+", "-"):
+            value = value + term(depth) if take() == "+" else value - term(depth)
+        return value
+
+    def term(depth: int) -> Fraction:
+        value = factor(depth)
+        while peek() in ("*", "/"):
+            op, rhs = take(), factor(depth)
+            value = value * rhs if op == "*" else value / rhs  # ZeroDivisionError -> None below
+        return value
+
+    def factor(depth: int) -> Fraction:
+        tok = peek()
+        if tok == "(" and depth < 16:
+            take()
+            value = expression(depth + 1)
+            if peek() != ")":
+                raise ValueError("unbalanced")
+            take()
+            return value
+        if tok is not None and tok.isdigit():
+            return Fraction(int(take()))
+        raise ValueError(f"unexpected {tok!r}")
+
+    try:
+        value = expression(0)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return value if pos == len(tokens) else None
+
+
+_TOKEN = re.compile(r"\d+|[-+*/()]")
+
+
+def _verify_countdown(prompt: str, completion: str) -> float:
+    """1.0 iff the completion is an expression using each given number exactly once that equals the target."""
+    m = re.fullmatch(r"(\d+) from ([\d ]+)=", prompt)
+    if m is None:
+        return 0.0
+    target, numbers = int(m.group(1)), sorted(int(x) for x in m.group(2).split())
+    expr = completion.strip()
+    used = sorted(int(x) for x in re.findall(r"\d+", expr))
+    value = evaluate_arithmetic(expr)
+    return 1.0 if used == numbers and value is not None and value == target else 0.0
+
+
 TASKS: dict[str, Task] = {
     "addition": Task(
         "addition",
         "a+b= with operands of up to `difficulty` digits; answer: the sum",
         _make_addition,
-        exact_match,
+        lambda prompt, completion, answer: exact_match(completion, answer),
         default_difficulty=2,
+    ),
+    "sort": Task(
+        "sort",
+        "sort:<digits>= with `difficulty` digits; answer: the digits in ascending order",
+        _make_sort,
+        lambda prompt, completion, answer: exact_match(completion, answer),
+        default_difficulty=6,
+    ),
+    "countdown": Task(
+        "countdown",
+        "<target> from <numbers>= with `difficulty` numbers 1-9; answer: an expression "
+        "using each number once with + - * / ( ) that equals the target",
+        _make_countdown,
+        lambda prompt, completion, answer: _verify_countdown(prompt, completion),
+        default_difficulty=3,
     ),
 }
 
@@ -118,7 +227,24 @@ def task_verifier(task: str):
     check = get_task(task).verify
 
     def reward(prompts: list[str], completions: list[str], answer: list[str], **_: object) -> list[float]:
-        return [check(c, a) for c, a in zip(completions, answer, strict=True)]
+        return [check(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
     reward.__name__ = f"task_verifier[{task}]"
     return reward
+
+
+@dataclass
+class LoadedTask:
+    """What ``load_task`` returns: the training stream, the held-out rows, and the verifier reward."""
+
+    task: Task
+    train: TaskSource
+    eval_rows: list[dict]
+    reward: Callable[..., list[float]]
+
+
+def load_task(name: str, *, seed: int = 0, difficulty: int | None = None, eval_size: int = 500) -> LoadedTask:
+    """A built-in task ready to train on: ``train.row(i)``, ``eval_rows`` and its 0/1 ``reward``."""
+    train = TaskSource(name, seed=seed, difficulty=difficulty, eval_size=eval_size)
+    held_out = TaskSource(name, difficulty=difficulty, split="eval", eval_size=eval_size)
+    return LoadedTask(train.task, train, [held_out.row(i) for i in range(len(held_out))], task_verifier(name))

@@ -30,7 +30,7 @@ def evaluate(
     """Greedy pass@1 over ``prompts`` (with their dataset ``rows`` as reward columns).
 
     Returns ``{"reward_mean", "accuracy" (None without a verifier), "num_prompts", "examples"}``;
-    ``examples`` holds the first five (prompt, completion, reward) triples.
+    ``examples`` holds the first five prompts with their completion, reward and ``answer`` column.
     """
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop)
     totals, verified, examples = [], [], []
@@ -42,9 +42,11 @@ def evaluate(
         totals.append(scores.total)
         if scores.verifier is not None:
             verified.append(scores.verifier)
-        for p, c, r in zip(chunk_prompts, rollout.completions, scores.total.tolist(), strict=True):
+        for row, p, c, r in zip(
+            chunk_rows, chunk_prompts, rollout.completions, scores.total.tolist(), strict=True
+        ):
             if len(examples) < 5:
-                examples.append({"prompt": p, "completion": c, "reward": r})
+                examples.append({"prompt": p, "completion": c, "reward": r, "answer": row.get("answer")})
     accuracy = float(torch.cat(verified).nanmean()) if verified else None
     return {
         "reward_mean": float(torch.cat(totals).mean()),

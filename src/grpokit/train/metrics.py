@@ -1,8 +1,9 @@
 """Run-directory logging: metrics.jsonl, samples.jsonl, and the live progress bar.
 
 What it does: writes one JSON object per step to ``metrics.jsonl`` (flushed every line, so a
-crash loses nothing already logged), sampled completions to ``samples.jsonl``, and drives a rich
-progress bar with step, reward, accuracy, KL, tokens/s and ETA. NaN values (a metric that has no
+crash loses nothing already logged), sampled completions to ``samples.jsonl``, the same metrics
+to TensorBoard when asked (``logging.tensorboard``), and drives a rich progress bar with step,
+reward, accuracy, KL, tokens/s and ETA. NaN values (a metric that has no
 value this step, e.g. KL without a reference model) are written as JSON ``null``.
 
 What it deliberately does not do: compute metrics (the trainer and the algo functions do), or
@@ -38,11 +39,23 @@ def append_jsonl(path: Path, row: dict) -> None:
 class RunLogger:
     """Owns the run directory's log files and the progress bar."""
 
-    def __init__(self, run_dir: Path, total_steps: int, quiet: bool = False, start_step: int = 0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        quiet: bool = False,
+        start_step: int = 0,
+        tensorboard: bool = False,
+    ) -> None:
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self.samples_path = run_dir / "samples.jsonl"
         self._progress = None
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard extra
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         if not quiet:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -58,6 +71,11 @@ class RunLogger:
 
     def log_step(self, metrics: dict) -> None:
         append_jsonl(self.metrics_path, metrics)
+        if self._tb is not None:
+            for key, value in metrics.items():  # the same keys as metrics.jsonl
+                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, metrics["step"])
+            self._tb.flush()
         if self._progress is not None:
             self._progress.update(self._task, completed=metrics["step"], info=progress_text(metrics))
 
@@ -72,6 +90,9 @@ class RunLogger:
             print(text, flush=True)
 
     def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         if self._progress is not None:
             self._progress.stop()
             self._progress = None

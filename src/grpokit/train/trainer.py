@@ -4,7 +4,7 @@ What it does: ``GRPOTrainer(config).train()`` runs ``train.max_steps`` steps. Ea
 ``prompts_per_step`` rows, samples ``group_size`` completions per prompt, scores them with the
 configured rewards, turns rewards into group-relative advantages, and makes ``mu`` optimizer
 steps on that batch with pi_old fixed to the sampling policy. Everything about the run goes to
-the run directory (config.yaml, metrics.jsonl, samples.jsonl, summary.json, final/).
+the run directory (config.yaml, metrics.jsonl, samples.jsonl, summary.json, final/, report.html).
 
 Decisions worth knowing:
 - Dropout is off throughout (the model stays in eval mode): with it on, pi_theta would differ
@@ -32,6 +32,7 @@ from grpokit.config import GRPOConfig
 from grpokit.data.datasets import RowsSource, check_rows, format_prompt, read_jsonl
 from grpokit.data.tasks import TaskSource
 from grpokit.models.loading import load_model, reference_copy
+from grpokit.report import write_report
 from grpokit.rewards.registry import WeightedReward, get, is_verifier, score
 from grpokit.rollout.sampler import Rollout, SamplingParams, pad_token_id, sample
 from grpokit.train.batch import TrainBatch, accumulate_policy_gradient, batch_logprobs, plan_micro_batches
@@ -84,7 +85,13 @@ class GRPOTrainer:
     def train(self) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         self._prepare_run_dir()
-        logger = RunLogger(self.run_dir, cfg.train.max_steps, cfg.train.quiet, start_step=self.step)
+        logger = RunLogger(
+            self.run_dir,
+            cfg.train.max_steps,
+            cfg.train.quiet,
+            start_step=self.step,
+            tensorboard=cfg.logging.tensorboard,
+        )
         before = self._evaluate() if self.eval_rows else None
         last: dict = {}
         try:
@@ -103,6 +110,8 @@ class GRPOTrainer:
         (self.run_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
         self.model.save_pretrained(self.run_dir / "final")
         self.tokenizer.save_pretrained(self.run_dir / "final")
+        if cfg.logging.report:
+            write_report(self.run_dir)
         return summary
 
     def train_step(self) -> tuple[dict, list[dict]]:
@@ -129,7 +138,8 @@ class GRPOTrainer:
         cfg, a = self.cfg, self.cfg.algo
         if a.beta == 0 and bool((batch.advantages == 0).all()):
             self.num_skipped_steps += 1
-            return {"loss": 0.0, "optimizer_step_skipped": 1, "grad_norm": 0.0, "lr": self._lr(self.step - 1)}
+            lr = self._lr((self.step - 1) * cfg.train.mu)
+            return {"loss": 0.0, "optimizer_step_skipped": 1, "grad_norm": 0.0, "lr": lr}
         plan = plan_micro_batches(
             batch.total_lengths(), cfg.train.micro_batch_size, cfg.train.micro_batch_tokens
         )
