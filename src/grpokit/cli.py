@@ -15,12 +15,13 @@ import time
 
 import grpokit
 from grpokit.config import ConfigError, load_config
+from grpokit.errors import CheckpointError, TrainingInterrupted
 
 # Subcommands of DESIGN.md that are not built yet, and the issue that builds each.
 _NOT_YET = {
     "eval": "evaluation (issue #6)",
     "export": "export (issue #6)",
-    "lab": "the reward-hacking lab (issue #10)",
+    "lab": "the reward-hacking lab (issue #11)",
 }
 
 
@@ -32,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model with GRPO from a YAML config")
     train.add_argument(
         "--config", help="YAML config file or a built-in config name (demo); omitted: all defaults"
+    )
+    train.add_argument(
+        "--resume",
+        metavar="DIR|auto",
+        help="continue a run: a run directory or checkpoint (its config.yaml is used unless --config is "
+        "given), or 'auto': the newest good checkpoint in the output dir, else a fresh start",
     )
     _add_run_options(train)
 
@@ -73,10 +80,22 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from grpokit.train.trainer import GRPOTrainer
 
-    cfg = load_config(args.config, _overrides(args))
-    summary = GRPOTrainer(cfg).train()
+    config, overrides = args.config, _overrides(args)
+    if args.resume and args.resume != "auto" and config is None:
+        where = Path(args.resume)
+        run_dir = where.parent.parent if where.name.startswith("step-") else where
+        if not (run_dir / "config.yaml").is_file():
+            raise FileNotFoundError(
+                f"--resume {args.resume}: no config.yaml in {run_dir}; is it a grpokit run?"
+            )
+        config = run_dir / "config.yaml"
+        overrides = [f"train.output_dir={json.dumps(str(run_dir))}", *overrides]
+    cfg = load_config(config, overrides)
+    summary = GRPOTrainer(cfg).train(resume=args.resume)
     print(f"done: {summary['steps']} steps in {summary['wall_time_s']:.1f} s -> {cfg.train.output_dir}")
     return 0
 
@@ -154,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         return {"train": cmd_train, "demo": cmd_demo, "report": cmd_report}[args.command](args)
     except ConfigError as e:
         print(f"grpokit {args.command}: configuration error: {e}", file=sys.stderr)
+        return 2
+    except TrainingInterrupted as e:
+        print(f"grpokit {args.command}: {e}", file=sys.stderr)
+        return 128 + e.signum
+    except CheckpointError as e:
+        print(f"grpokit {args.command}: {e}", file=sys.stderr)
         return 2
     except (FileNotFoundError, FileExistsError) as e:
         print(f"grpokit {args.command}: {e}", file=sys.stderr)

@@ -118,6 +118,8 @@ class TrainConfig:
     eval_every: int = _f(0, "Evaluate on the held-out set every N steps (and at the end); 0 disables.")
     eval_max_prompts: int = _f(500, "Held-out prompts used per evaluation (greedy pass@1).")
     log_samples: int = _f(4, "Completions per step written to samples.jsonl.")
+    save_every: int = _f(50, "Save a checkpoint every N steps (and at the last step); 0 disables.")
+    keep_last: int = _f(3, "Checkpoints kept in run_dir/checkpoints; older ones are deleted.")
     output_dir: str = _f(
         "runs/grpo", "Run directory: config.yaml, metrics.jsonl, samples.jsonl, summary.json."
     )
@@ -242,6 +244,8 @@ def validate(cfg: GRPOConfig) -> None:
     _check("train.weight_decay", t.weight_decay >= 0, t.weight_decay, ">= 0")
     _check("train.max_grad_norm", t.max_grad_norm >= 0, t.max_grad_norm, ">= 0 (0 disables)")
     _check("train.eval_every", t.eval_every >= 0, t.eval_every, ">= 0 (0 disables)")
+    _check("train.save_every", t.save_every >= 0, t.save_every, ">= 0 (0 disables)")
+    _check("train.keep_last", t.keep_last >= 1, t.keep_last, ">= 1")
     if cfg.logging.tensorboard:
         import importlib.util
 

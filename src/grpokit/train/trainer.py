@@ -14,14 +14,19 @@ Decisions worth knowing:
 - Sampling draws from its own ``torch.Generator``; evaluation is greedy and sample logging uses
   its own ``random.Random``: changing either never changes the training trajectory.
 
-What it deliberately does not do: checkpoints/resume (issue #6), distributed training (#9).
+- Checkpoints every ``train.save_every`` steps (train/checkpoint.py); SIGINT / SIGTERM finish the
+  current step, save, and raise ``TrainingInterrupted``; ``train(resume=...)`` continues exactly.
+
+What it deliberately does not do: distributed training (#9).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -31,11 +36,13 @@ from grpokit.algo import group_advantages, zero_std_groups
 from grpokit.config import GRPOConfig
 from grpokit.data.datasets import RowsSource, check_rows, format_prompt, read_jsonl
 from grpokit.data.tasks import TaskSource
+from grpokit.errors import CheckpointError, TrainingInterrupted
 from grpokit.models.loading import load_model, reference_copy
 from grpokit.report import write_report
 from grpokit.rewards.registry import WeightedReward, get, is_verifier, score
 from grpokit.rollout.sampler import Rollout, SamplingParams, pad_token_id, sample
 from grpokit.train.batch import TrainBatch, accumulate_policy_gradient, batch_logprobs, plan_micro_batches
+from grpokit.train.checkpoint import TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
 from grpokit.train.evaluate import evaluate
 from grpokit.train.metrics import RunLogger, json_safe
 
@@ -82,9 +89,21 @@ class GRPOTrainer:
         self.run_dir = Path(cfg.train.output_dir)
 
     # ---------------------------------------------------------------------------------------
-    def train(self) -> dict:
+    def train(self, resume: str | Path | None = None) -> dict:
+        """Run to ``train.max_steps``; returns the summary (also written to summary.json).
+
+        Args:
+            resume: None for a new run; a run directory or checkpoint directory to continue from
+                (a corrupt newest checkpoint is refused); or ``"auto"``: the newest *good*
+                checkpoint in ``train.output_dir``, skipping corrupt ones, or a fresh start if
+                there is none.
+
+        Raises:
+            TrainingInterrupted: after SIGINT / SIGTERM, once the current step is finished and a
+                checkpoint is saved.
+        """
         cfg, t0 = self.cfg, time.perf_counter()
-        self._prepare_run_dir()
+        before, wall_before = self._start(resume)
         logger = RunLogger(
             self.run_dir,
             cfg.train.max_steps,
@@ -92,27 +111,67 @@ class GRPOTrainer:
             start_step=self.step,
             tensorboard=cfg.logging.tensorboard,
         )
-        before = self._evaluate() if self.eval_rows else None
         last: dict = {}
-        try:
-            while self.step < cfg.train.max_steps:
-                self.step += 1
-                last, samples = self.train_step()
-                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                    ev = self._evaluate()
-                    last.update(eval_reward_mean=ev["reward_mean"], eval_accuracy=ev["accuracy"])
-                logger.log_step(last)
-                logger.log_samples(samples)
-        finally:
-            logger.close()
+        with _StopOnSignal() as stop:
+            try:
+                while self.step < cfg.train.max_steps:
+                    self.step += 1
+                    last, samples = self.train_step()
+                    if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                        ev = self._evaluate()
+                        last.update(eval_reward_mean=ev["reward_mean"], eval_accuracy=ev["accuracy"])
+                    logger.log_step(last)
+                    logger.log_samples(samples)
+                    wall = wall_before + time.perf_counter() - t0
+                    due = cfg.train.save_every and (
+                        self.step % cfg.train.save_every == 0 or self.step == cfg.train.max_steps
+                    )
+                    if due or stop.signum is not None:  # a signal saves even with save_every = 0
+                        ckpt = self._save(before, wall)
+                        if stop.signum is not None:
+                            raise TrainingInterrupted(self.step, stop.signum, ckpt, self.run_dir)
+            finally:
+                logger.close()
         after = self._evaluate() if self.eval_rows else None
-        summary = self._summary(last, before, after, time.perf_counter() - t0)
+        summary = self._summary(last, before, after, wall_before + time.perf_counter() - t0)
         (self.run_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
         self.model.save_pretrained(self.run_dir / "final")
         self.tokenizer.save_pretrained(self.run_dir / "final")
         if cfg.logging.report:
             write_report(self.run_dir)
         return summary
+
+    def _start(self, resume: str | Path | None) -> tuple[dict | None, float]:
+        """Prepare the run directory; on resume restore the state. Returns (eval before, wall so far)."""
+        if resume is not None:
+            auto = str(resume) == "auto"
+            where = self.run_dir if auto else Path(resume)
+            ckpt = find_checkpoint(where, fallback=auto, warn=lambda m: print(f"grpokit: {m}", flush=True))
+            if ckpt is not None:
+                self.run_dir = ckpt.parent.parent
+                state = load_checkpoint(ckpt, self.model, self.optimizer, self.generator)
+                self.step, self.rows_consumed = state.step, state.rows_consumed
+                self.num_skipped_steps = state.num_skipped_steps
+                truncate_logs(self.run_dir, state.step)  # drop steps logged after the checkpoint
+                self.cfg.save(self.run_dir / "config.yaml")
+                return state.before, state.wall_time_s
+            if not auto:
+                raise CheckpointError(f"{where}: no checkpoint to resume from")
+            truncate_logs(self.run_dir, 0)  # auto with nothing saved yet: start over
+        self._prepare_run_dir()
+        return (self._evaluate() if self.eval_rows else None), 0.0
+
+    def _save(self, before: dict | None, wall: float) -> Path:
+        state = TrainerState(self.step, self.rows_consumed, self.num_skipped_steps, before, round(wall, 3))
+        return save_checkpoint(
+            self.run_dir,
+            self.model,
+            self.tokenizer,
+            self.optimizer,
+            self.generator,
+            state,
+            self.cfg.train.keep_last,
+        )
 
     def train_step(self) -> tuple[dict, list[dict]]:
         """One generation step: the stages in order. Returns (metrics, sample rows)."""
@@ -229,8 +288,8 @@ class GRPOTrainer:
     def _prepare_run_dir(self) -> None:
         if (self.run_dir / "metrics.jsonl").exists():
             raise FileExistsError(
-                f"{self.run_dir} already holds a run (metrics.jsonl); choose another train.output_dir "
-                "(--output-dir) or delete it"
+                f"{self.run_dir} already holds a run (metrics.jsonl); continue it with --resume "
+                f"{self.run_dir}, choose another train.output_dir (--output-dir), or delete it"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg.save(self.run_dir / "config.yaml")
@@ -282,12 +341,11 @@ def _build_data(cfg: GRPOConfig, dataset, eval_dataset) -> tuple:
 
 def _build_rewards(cfg: GRPOConfig, rewards) -> list[WeightedReward]:
     if rewards is not None:
-        out = []
-        for r in rewards:
-            out.append(
-                r if isinstance(r, WeightedReward) else WeightedReward(getattr(r, "__name__", "reward"), r)
-            )
-        return out
+        named = [
+            r if isinstance(r, WeightedReward) else WeightedReward(getattr(r, "__name__", "reward"), r)
+            for r in rewards
+        ]
+        return _unique_names(named)
     out = []
     for spec in cfg.rewards:
         options = dict(spec.options)
@@ -296,8 +354,18 @@ def _build_rewards(cfg: GRPOConfig, rewards) -> list[WeightedReward]:
                 raise ValueError("reward task_verifier needs data.task (or rewards[].options.task)")
             options["task"] = cfg.data.task
         verifier = is_verifier(spec.name) if spec.verifier is None else spec.verifier
-        out.append(WeightedReward(spec.name, get(spec.name, **options), spec.weight, verifier))
-    return out
+        out.append(WeightedReward(spec.name.split(":")[-1], get(spec.name, **options), spec.weight, verifier))
+    return _unique_names(out)
+
+
+def _unique_names(rewards: list[WeightedReward]) -> list[WeightedReward]:
+    """Metric names (``reward_<name>_mean``) must not collide: a repeated name gets ``_2``, ``_3``..."""
+    seen: dict[str, int] = {}
+    for r in rewards:
+        seen[r.name] = seen.get(r.name, 0) + 1
+        if seen[r.name] > 1:
+            r.name = f"{r.name}_{seen[r.name]}"
+    return rewards
 
 
 def _with_answer(rows: list[dict], answer_column: str) -> list[dict]:
@@ -348,3 +416,54 @@ def _step_metrics(step: int, rollout: Rollout, scores, adv_B: torch.Tensor, stat
         "tokens_per_s": float(lengths.sum()) / max(t3 - t0, 1e-9),
     }
     return m
+
+
+class _StopOnSignal:
+    """While active, SIGINT / SIGTERM only set ``signum``: the loop stops at the end of the step.
+
+    A second signal while stopping restores the default behaviour (a second Ctrl-C kills).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+            os.kill(os.getpid(), signum)
+        self.signum = signum
+
+    def __enter__(self) -> _StopOnSignal:
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: signals stay as they are
+            self._old = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def truncate_logs(run_dir: Path, step: int) -> None:
+    """Keep only the metrics.jsonl / samples.jsonl lines of steps <= ``step`` (atomic rewrite).
+
+    After a crash the logs may run past the checkpoint being resumed; those steps are re-run, so
+    their old lines go, and every step ends up logged exactly once.
+    """
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = run_dir / name
+        if not path.exists():
+            continue
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                break  # a line cut by the crash: nothing after it is trustworthy
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
