@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -19,8 +20,6 @@ from grpokit.errors import CheckpointError, TrainingInterrupted
 
 # Subcommands of DESIGN.md that are not built yet, and the issue that builds each.
 _NOT_YET = {
-    "eval": "evaluation (issue #6)",
-    "export": "export (issue #6)",
     "lab": "the reward-hacking lab (issue #11)",
 }
 
@@ -47,6 +46,44 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, help="GRPO steps (default: 300)")
     demo.add_argument("--seed", type=int, help="seed of the run (default: 0)")
     _add_run_options(demo)
+
+    ev = sub.add_parser("eval", help="evaluate a model: greedy pass@1, sampled pass@k and maj@k, to JSON")
+    ev.add_argument(
+        "--model", required=True, help="model directory, a run directory (its final/ model), or 'tiny'"
+    )
+    src = ev.add_mutually_exclusive_group(required=True)
+    src.add_argument("--task", help="a built-in task: its held-out set")
+    src.add_argument("--dataset", help="a JSONL file of rows")
+    ev.add_argument(
+        "--reward",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="reward (repeatable; default with --task: task_verifier); 'module:function' works",
+    )
+    ev.add_argument("--difficulty", type=int, help="task difficulty (default: the task's)")
+    ev.add_argument("--limit", type=int, default=500, help="evaluate at most this many prompts (default 500)")
+    ev.add_argument(
+        "--n", type=int, default=8, help="samples per prompt for pass@k / maj@k (default 8; 0: greedy only)"
+    )
+    ev.add_argument("--k", type=int, nargs="+", default=[1, 4, 8], help="k values (default 1 4 8), each <= n")
+    ev.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature for pass@k (default 1.0)"
+    )
+    ev.add_argument("--max-new-tokens", type=int, default=32, help="longest completion (default 32)")
+    ev.add_argument("--prompt-column", default="prompt")
+    ev.add_argument("--answer-column", default="answer")
+    ev.add_argument("--template", help="format string for the prompt, as data.template")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--out", help="also write the JSON result to this file")
+
+    export = sub.add_parser("export", help="write a plain Hugging Face model directory from a run")
+    export.add_argument("run_dir", help="a grpokit run directory")
+    export.add_argument("--out", required=True, help="output directory (must not exist)")
+    export.add_argument(
+        "--checkpoint",
+        help="step-N to export instead of the final model (default: final/, else the newest good checkpoint)",
+    )
 
     report = sub.add_parser("report", help="write report.html for a run directory")
     report.add_argument("run_dir", help="a grpokit run directory")
@@ -150,6 +187,101 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_dir(path: str):
+    """A model directory from --model: itself, a run's final/, or the run's newest good checkpoint."""
+    from pathlib import Path
+
+    from grpokit.train.checkpoint import find_checkpoint
+
+    p = Path(path)
+    if path == "tiny" or (p / "config.json").is_file():
+        return path
+    if (p / "final" / "config.json").is_file():
+        return str(p / "final")
+    ckpt = find_checkpoint(p, fallback=True)
+    if ckpt is None:
+        raise FileNotFoundError(f"{path}: not a model directory, and no final/ model or checkpoint in it")
+    return str(ckpt / "model")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from grpokit.data.datasets import format_prompt, read_jsonl
+    from grpokit.data.tasks import TaskSource
+    from grpokit.models.loading import load_model
+    from grpokit.rewards.registry import WeightedReward, get, is_verifier
+    from grpokit.train.evaluate import evaluate, evaluate_sampled
+
+    if args.task:
+        held = TaskSource(args.task, difficulty=args.difficulty, split="eval", eval_size=args.limit)
+        rows = [held.row(i) for i in range(len(held))]
+    else:
+        rows = read_jsonl(args.dataset, args.prompt_column)[: args.limit]
+    if args.answer_column != "answer":
+        rows = [{**r, "answer": r.get(args.answer_column)} for r in rows]
+    names = args.reward or (["task_verifier"] if args.task else [])
+    if not names:
+        raise ValueError("--dataset needs at least one --reward (e.g. a 'module:function' verifier)")
+    rewards = []
+    for name in names:
+        options = {"task": args.task} if name == "task_verifier" else {}
+        rewards.append(WeightedReward(name.split(":")[-1], get(name, **options), 1.0, is_verifier(name)))
+    prompts = [format_prompt(r, args.prompt_column, args.template) for r in rows]
+    model_dir = _model_dir(args.model)
+    model, tok = load_model(model_dir)
+    greedy = evaluate(model, tok, rows, prompts, rewards, max_new_tokens=args.max_new_tokens)
+    result = {
+        "model": model_dir,
+        "task": args.task,
+        "dataset": args.dataset,
+        "num_prompts": len(rows),
+        "greedy": {"pass@1": greedy["accuracy"], "reward_mean": greedy["reward_mean"]},
+    }
+    if args.n > 0:
+        result["sampled"] = evaluate_sampled(
+            model,
+            tok,
+            rows,
+            prompts,
+            rewards,
+            n=args.n,
+            ks=args.k,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+        )
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from grpokit.models.loading import load_model
+    from grpokit.train.checkpoint import find_checkpoint
+
+    run_dir, out = Path(args.run_dir), Path(args.out)
+    if out.exists():
+        raise FileExistsError(f"--out {out} already exists; choose a new directory")
+    if args.checkpoint:
+        src = find_checkpoint(run_dir / "checkpoints" / args.checkpoint) / "model"
+    elif (run_dir / "final" / "config.json").is_file():
+        src = run_dir / "final"
+    else:
+        ckpt = find_checkpoint(run_dir, fallback=True)
+        if ckpt is None:
+            raise FileNotFoundError(f"{run_dir}: no final/ model and no checkpoint to export")
+        src = ckpt / "model"
+    model, tok = load_model(str(src))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    print(f"exported {src} -> {out} (load it with AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from grpokit.report import write_report
 
@@ -170,7 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        return {"train": cmd_train, "demo": cmd_demo, "report": cmd_report}[args.command](args)
+        commands = {
+            "train": cmd_train,
+            "demo": cmd_demo,
+            "eval": cmd_eval,
+            "export": cmd_export,
+            "report": cmd_report,
+        }
+        return commands[args.command](args)
     except ConfigError as e:
         print(f"grpokit {args.command}: configuration error: {e}", file=sys.stderr)
         return 2
@@ -180,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"grpokit {args.command}: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, FileExistsError) as e:
-        print(f"grpokit {args.command}: {e}", file=sys.stderr)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        if os.environ.get("GRPOKIT_DEBUG"):
+            raise
+        print(f"grpokit {args.command}: {e} (set GRPOKIT_DEBUG=1 for the traceback)", file=sys.stderr)
         return 2
 
 

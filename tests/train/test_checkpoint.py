@@ -118,7 +118,7 @@ def test_partial_checkpoint_is_refused(tmp_path, tiny_dir):
     with pytest.raises(CheckpointError, match="partial checkpoint"):
         verify(ckpt)
     (ckpt / "optimizer.pt").unlink()
-    with pytest.raises(CheckpointError, match="no checkpoint to resume from|partial"):
+    with pytest.raises(CheckpointError, match="partial checkpoint"):
         run(tiny_dir, out, resume=out)
 
 

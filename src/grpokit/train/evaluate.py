@@ -1,13 +1,18 @@
-"""Held-out evaluation: greedy completions (pass@1) scored by the configured rewards.
+"""Held-out evaluation: greedy pass@1, and sampled pass@k / maj@k, scored by the configured rewards.
 
-What it does: decodes each held-out prompt greedily (no random stream is touched, so evaluating
-more or less often never changes the training trajectory), scores with the rewards, and returns
-the mean reward and, where a verifier reward exists, accuracy.
+What it does: ``evaluate`` decodes each held-out prompt greedily (no random stream is touched, so
+evaluating more or less often never changes the training trajectory) and returns the mean reward
+and, where a verifier reward exists, accuracy. ``evaluate_sampled`` draws n samples per prompt
+from its own seeded generator and reports unbiased pass@k and majority-vote maj@k.
 
-What it deliberately does not do (yet): pass@k / maj@k with sampling -- issue #6's ``grpokit eval``.
+What it deliberately does not do: extract answers for maj@k beyond stripping whitespace (the
+built-in tasks' answers are the whole completion); a reward-specific extractor can come later.
 """
 
 from __future__ import annotations
+
+import math
+from collections import Counter
 
 import torch
 
@@ -53,4 +58,76 @@ def evaluate(
         "accuracy": accuracy,
         "num_prompts": len(prompts),
         "examples": examples,
+    }
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021, arXiv:2107.03374, eq. 1):
+    ``1 - C(n - c, k) / C(n, k)``."""
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(answers: list[str], correct: list[bool]) -> bool:
+    """maj@k for one prompt: is the most frequent answer (first seen wins a tie) a correct one?"""
+    counts = Counter(answers)
+    best = max(counts.values())
+    winner = next(a for a in answers if counts[a] == best)
+    return correct[answers.index(winner)]
+
+
+@torch.no_grad()
+def evaluate_sampled(
+    model,
+    tokenizer,
+    rows: list[dict],
+    prompts: list[str],
+    rewards: list[WeightedReward],
+    *,
+    n: int,
+    ks: list[int],
+    temperature: float,
+    max_new_tokens: int,
+    stop: tuple[str, ...] = (),
+    seed: int = 0,
+    batch_prompts: int = 16,
+) -> dict:
+    """pass@k (unbiased, from n samples per prompt) and maj@k (majority vote over the first k samples,
+    answers compared after stripping whitespace), judged by the verifier rewards.
+
+    Returns ``{"n", "temperature", "reward_mean", "pass@k": {k: ...}, "maj@k": {k: ...}}``.
+    """
+    if not any(r.verifier for r in rewards):
+        raise ValueError("pass@k / maj@k need a verifier reward (verifier: true), e.g. task_verifier")
+    bad = [k for k in ks if not 1 <= k <= n]
+    if bad:
+        raise ValueError(f"every k must be in [1, n={n}], got {bad}")
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop)
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    pass_sums = dict.fromkeys(ks, 0.0)
+    maj_sums = dict.fromkeys(ks, 0.0)
+    totals = []
+    for s in range(0, len(prompts), batch_prompts):
+        chunk_rows, chunk_prompts = rows[s : s + batch_prompts], prompts[s : s + batch_prompts]
+        rollout = sample(model, tokenizer, chunk_prompts, n, params, generator)
+        columns = {k: [r.get(k) for r in chunk_rows for _ in range(n)] for k in chunk_rows[0]}
+        scores = score(rewards, [p for p in chunk_prompts for _ in range(n)], rollout.completions, columns)
+        totals.append(scores.total)
+        ok = (scores.verifier == 1.0).tolist()
+        for i in range(len(chunk_prompts)):
+            group_ok = ok[i * n : (i + 1) * n]
+            answers = [c.strip() for c in rollout.completions[i * n : (i + 1) * n]]
+            for k in ks:
+                pass_sums[k] += pass_at_k(n, sum(group_ok), k)
+                maj_sums[k] += float(majority_correct(answers[:k], group_ok[:k]))
+    num = len(prompts)
+    return {
+        "n": n,
+        "temperature": temperature,
+        "reward_mean": float(torch.cat(totals).mean()),
+        "pass@k": {k: v / num for k, v in pass_sums.items()},
+        "maj@k": {k: v / num for k, v in maj_sums.items()},
     }
