@@ -41,6 +41,16 @@ def advantages(rewards: list[float], G: int, estimator: str, scale: str, eps: fl
     return out
 
 
+def decoupled(rewards_K: list[list[float]], weights: list[float], G: int, eps: float) -> list[float]:
+    """GDPO: per-reward GRPO advantages, weighted sum, then batch mean/std normalisation."""
+    per = [advantages(r, G, "grpo", "group", eps) for r in rewards_K]
+    summed = [sum(w * a[i] for w, a in zip(weights, per, strict=True)) for i in range(len(rewards_K[0]))]
+    if all(x == 0 for x in summed):
+        return summed
+    m, s = mean(summed), std_unbiased(summed)
+    return [(x - m) / (s + eps) for x in summed]
+
+
 def kl(logp: float, ref_logp: float, kind: str) -> float:
     """Schulman's k1/k2/k3 estimators of KL(pi || ref) at one sampled token."""
     log_ratio = ref_logp - logp
@@ -65,8 +75,15 @@ def policy_loss(
     aggregation: str,
     max_completion_length: int | None,
     kl_kind: str = "k3",
+    surrogate: str = "clip",
+    delta: float | None = None,
+    cispo_max_ratio: float = 5.0,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    pg_mask: list[list[int]] | None = None,
 ) -> float:
-    """DeepSeekMath eq. 3 (negated), with GSPO's sequence ratio and DAPO / Dr. GRPO aggregations."""
+    """DeepSeekMath eq. 3 (negated), with GSPO's sequence ratio, DAPO / Dr. GRPO aggregations,
+    and the CISPO / SAPO / two-sided-clip surrogates, term by term."""
     per_token: list[list[float]] = []  # the loss term of each valid token, sequence by sequence
     for i in range(len(logp)):
         valid = [t for t in range(len(logp[i])) if mask[i][t]]
@@ -75,8 +92,18 @@ def policy_loss(
         terms = []
         for t in valid:
             r = s if ratio_level == "sequence" else math.exp(logp[i][t] - old_logp[i][t])
-            clipped = min(max(r, 1 - clip_low), 1 + clip_high)
-            term = -min(r * adv[i], clipped * adv[i])
+            a = adv[i]
+            if surrogate == "clip":
+                clipped = min(max(r, 1 - clip_low), 1 + clip_high)
+                r_unclipped = min(r, delta) if (delta is not None and a < 0) else r
+                term = -min(r_unclipped * a, clipped * a)
+            elif surrogate == "cispo":  # the weight is a constant; the value is -w A logp
+                term = -min(r, cispo_max_ratio) * a * logp[i][t]
+            else:  # sapo
+                tau = tau_pos if a > 0 else tau_neg
+                term = -(4 / tau) / (1 + math.exp(-tau * (r - 1))) * a
+            if pg_mask is not None and not pg_mask[i][t]:
+                term = 0.0
             if beta > 0:
                 term += beta * kl(logp[i][t], ref_logp[i][t], kl_kind)
             terms.append(term)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpokit.algo import group_advantages, zero_std_groups
+from grpokit.algo import decoupled_advantages, group_advantages, zero_std_groups
 from tests.algo import reference as ref
 
 
@@ -124,3 +124,28 @@ def test_dtype_is_preserved_and_no_grad_needed():
 def test_bad_inputs_raise_clear_errors(rewards, G, kwargs, match):
     with pytest.raises(ValueError, match=match):
         group_advantages(rewards, G, **kwargs)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decoupled_advantages_match_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    correct = torch.randint(0, 2, (16,), generator=g).double()
+    fmt = torch.randint(0, 3, (16,), generator=g).double() / 2
+    got = decoupled_advantages(torch.stack([correct, fmt]), [1.0, 0.5], 4)
+    expected = ref.decoupled([correct.tolist(), fmt.tolist()], [1.0, 0.5], 4, 1e-4)
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+
+
+def test_decoupled_keeps_apart_what_sum_then_normalize_collapses():
+    # two binary rewards, G=4. Group 1: a=[1,0,0,0], b=[0,1,0,0] (each completion meets one goal);
+    # group 2: a=b=[1,1,0,0] (two completions meet both). Summed: [1,1,0,0] vs [2,2,0,0], which one
+    # joint normalisation maps to the same advantages (up to eps); GDPO keeps group 2's larger.
+    a = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    b = torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    joint = group_advantages(a + b, 4)
+    torch.testing.assert_close(joint[:4], joint[4:], rtol=1e-3, atol=0)  # sum-then-normalize: alike
+    sep = decoupled_advantages(torch.stack([a, b]), [1.0, 1.0], 4)
+    assert not torch.allclose(sep[:4], sep[4:])  # normalize-then-sum tells them apart
+    assert torch.equal(decoupled_advantages(torch.ones(2, 8), [1.0, 1.0], 4), torch.zeros(8))
+    with pytest.raises(ValueError, match=r"\[K, B\]"):
+        decoupled_advantages(torch.ones(8), [1.0], 4)

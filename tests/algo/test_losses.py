@@ -279,3 +279,120 @@ def test_bad_inputs(kwargs, match):
     args.update({k: kwargs.pop(k) for k in list(kwargs) if k in args})
     with pytest.raises(ValueError, match=match):
         policy_loss(args["logp"], args["old_logp"], args["advantages"], args["mask"], **kwargs)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(surrogate="clip", delta=1.3),
+        dict(surrogate="cispo", cispo_max_ratio=1.1),
+        dict(surrogate="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05),
+        dict(surrogate="sapo", sapo_tau_pos=2.0, sapo_tau_neg=3.0),
+    ],
+)
+@pytest.mark.parametrize("aggregation", AGGS)
+def test_surrogate_variants_match_reference(seed, variant, aggregation):
+    logp, old_logp, ref_logp, adv, mask = random_batch(seed, spread=0.6)
+    g = torch.Generator().manual_seed(seed + 10)
+    pg_mask = mask & (torch.rand(mask.shape, generator=g) > 0.3)
+    loss, _ = policy_loss(
+        logp,
+        old_logp,
+        adv,
+        mask,
+        ref_logp=ref_logp,
+        beta=0.1,
+        aggregation=aggregation,
+        max_completion_length=L_MAX,
+        pg_mask=pg_mask,
+        **variant,
+    )
+    ref_kw = {
+        "tau_pos": variant.get("sapo_tau_pos", 1.0),
+        "tau_neg": variant.get("sapo_tau_neg", 1.05),
+        **{k: v for k, v in variant.items() if not k.startswith("sapo_")},
+    }
+    expected = reference_loss(
+        logp,
+        old_logp,
+        ref_logp,
+        adv,
+        mask,
+        beta=0.1,
+        clip_low=0.2,
+        clip_high=0.2,
+        ratio_level="token",
+        aggregation=aggregation,
+        max_completion_length=L_MAX,
+        pg_mask=pg_mask.int().tolist(),
+        **ref_kw,
+    )
+    assert abs(float(loss) - expected) < 1e-12
+
+
+def test_cispo_keeps_a_gradient_where_the_clip_would_drop_it():
+    old_logp = torch.zeros(2, 1, dtype=torch.float64)
+    logp = torch.tensor([[0.5], [-0.5]], dtype=torch.float64, requires_grad=True)  # ratios 1.65, 0.61
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    loss, _ = policy_loss(logp, old_logp, adv, mask, surrogate="cispo", cispo_max_ratio=1.5)
+    loss.backward()
+    # d/dlogp [-sg(min(r, 1.5)) A logp] / N = -min(r, 1.5) A / 2: row 0 capped at 1.5, row 1 uncapped
+    torch.testing.assert_close(
+        logp.grad, torch.tensor([[-1.5 / 2], [torch.e**-0.5 / 2]], dtype=torch.float64)
+    )
+    clip_loss, _ = policy_loss(logp, old_logp, adv, mask)  # the PPO clip zeroes both
+    (clip_grad,) = torch.autograd.grad(clip_loss, logp)
+    assert (clip_grad == 0).all()
+
+
+def test_sapo_equals_grpo_gradient_on_policy_and_decays_off_policy():
+    logp, _, _, adv, mask = random_batch(9)
+    a = logp.clone().requires_grad_(True)
+    b = logp.clone().requires_grad_(True)
+    torch.autograd.backward(policy_loss(a, a.detach(), adv, mask, surrogate="sapo")[0])
+    torch.autograd.backward(policy_loss(b, b.detach(), adv, mask)[0])
+    torch.testing.assert_close(a.grad, b.grad)  # f'(1) = 1
+    far = logp.clone().requires_grad_(True)
+    # r = e^3: d/dlogp of the gate is 4 s(1-s) r with s = sigmoid(tau (r-1)) ~ 1 -> almost nothing
+    torch.autograd.backward(policy_loss(far, far.detach() - 3.0, adv, mask, surrogate="sapo")[0])
+    assert (far.grad.abs() <= 1e-3 * a.grad.abs() + 1e-15).all()
+
+
+def test_two_sided_clip_caps_negative_advantage_ratio():
+    old_logp = torch.zeros(1, 1, dtype=torch.float64)
+    logp = torch.full((1, 1), 2.0, dtype=torch.float64, requires_grad=True)  # ratio e^2 = 7.39
+    adv = torch.tensor([-1.0], dtype=torch.float64)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    plain, _ = policy_loss(logp, old_logp, adv, mask)
+    capped, _ = policy_loss(logp, old_logp, adv, mask, delta=4.0)
+    assert float(plain.detach()) == pytest.approx(torch.e**2) and float(capped.detach()) == pytest.approx(4.0)
+    (g,) = torch.autograd.grad(capped, logp)
+    assert g.item() == 0.0  # above delta the update is bounded: no gradient through the cap
+
+
+def test_bnpo_is_the_mean_of_local_token_means():
+    logp, old_logp, _, adv, mask = random_batch(10, B=8)
+    parts = [(slice(0, 3)), (slice(3, 8))]
+    total = sum(
+        float(policy_loss(logp[s], old_logp[s], adv[s], mask[s], aggregation="bnpo", num_micro_batches=2)[0])
+        for s in parts
+    )
+    local = [
+        float(policy_loss(logp[s], old_logp[s], adv[s], mask[s], aggregation="token_mean")[0]) for s in parts
+    ]
+    assert total == pytest.approx(sum(local) / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"surrogate": "ppo"}, "surrogate must be one of"),
+        ({"delta": 0.5}, "delta .* must be > 1"),
+        ({"pg_mask": torch.ones(3, 3)}, "pg_mask has shape"),
+    ],
+)
+def test_bad_variant_inputs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3), **kwargs)

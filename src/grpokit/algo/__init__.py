@@ -4,12 +4,13 @@ Imports only torch. Every function states its formula and the paper it comes fro
 against an independent float64 reference in ``tests/algo``.
 """
 
-from grpokit.algo.advantages import group_advantages, zero_std_groups
+from grpokit.algo.advantages import decoupled_advantages, group_advantages, zero_std_groups
 from grpokit.algo.kl import kl_penalty
 from grpokit.algo.logprobs import hidden_token_logprobs, token_entropy, token_logprobs
 from grpokit.algo.losses import policy_loss
 
 __all__ = [
+    "decoupled_advantages",
     "group_advantages",
     "hidden_token_logprobs",
     "kl_penalty",

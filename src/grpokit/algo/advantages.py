@@ -139,3 +139,42 @@ def _check_inputs(
         )
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
+
+
+def decoupled_advantages(
+    rewards_KB: torch.Tensor,
+    weights: list[float],
+    group_size: int,
+    *,
+    estimator: str = "grpo",
+    scale: str | None = None,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    r"""Multi-reward "normalize then sum" (GDPO, Liu et al. 2026, arXiv:2601.05242):
+
+    :math:`\tilde A_i = \sum_k w_k\,A^{(k)}_i` with :math:`A^{(k)}` = :func:`group_advantages` of
+    reward k alone, then batch normalisation
+    :math:`A_i = (\tilde A_i - \mathrm{mean}(\tilde A)) / (\mathrm{std}(\tilde A) + \epsilon)`.
+
+    Normalising each reward inside its group before summing keeps reward combinations that a
+    joint normalisation would collapse onto the same advantage apart (GDPO sec. 3); the final batch
+    normalisation keeps the scale independent of the number of rewards. A batch whose summed
+    advantages are all 0 stays exactly 0.
+
+    Args:
+        rewards_KB: ``[K, B]`` one row per reward function, completions group after group.
+        weights: K weights.
+
+    Returns:
+        ``[B]`` advantages in ``rewards_KB.dtype``.
+    """
+    if rewards_KB.dim() != 2 or rewards_KB.shape[0] != len(weights):
+        raise ValueError(
+            f"rewards_KB must be [K, B] with K = len(weights) = {len(weights)}, got {tuple(rewards_KB.shape)}"
+        )
+    summed_B = torch.zeros(rewards_KB.shape[1], dtype=torch.float64)
+    for r_B, w in zip(rewards_KB, weights, strict=True):
+        summed_B += w * group_advantages(r_B, group_size, estimator=estimator, scale=scale, eps=eps).double()
+    if bool((summed_B == 0).all()):
+        return summed_B.to(rewards_KB.dtype)
+    return ((summed_B - summed_B.mean()) / (summed_B.std() + eps)).to(rewards_KB.dtype)

@@ -72,21 +72,89 @@ RATIO_LEVELS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def clipped_surrogate(
-    ratio_BT: torch.Tensor, adv_B1: torch.Tensor, clip_low: float, clip_high: float
+    ratio_BT: torch.Tensor,
+    logp_BT: torch.Tensor,
+    adv_B1: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    delta: float | None = None,
+    **_: float,
 ) -> torch.Tensor:
     r"""PPO's clipped surrogate as a per-token loss (negated, to minimise):
 
-    :math:`-\min\big(r A,\ \mathrm{clip}(r, 1-\epsilon_{low}, 1+\epsilon_{high})\,A\big)`
+    :math:`-\min\big(\tilde r A,\ \mathrm{clip}(r, 1-\epsilon_{low}, 1+\epsilon_{high})\,A\big)`
 
     (PPO, Schulman et al. 2017, arXiv:1707.06347, eq. 7; asymmetric "clip-higher" bounds from
     DAPO, Yu et al. 2025, arXiv:2503.14476, eq. 10). Where the clip is active -- ratio below
     1 - clip_low with A < 0, or above 1 + clip_high with A > 0 -- the gradient is exactly 0.
 
+    ``delta`` (two-sided clipping, INTELLECT-2, Prime Intellect 2025, arXiv:2505.07291, sec. 3):
+    :math:`\tilde r = \min(r, \delta)` when A < 0, so a token whose ratio exploded cannot make an
+    unbounded negative-advantage update; otherwise :math:`\tilde r = r`.
+
     Returns ``[B, T]``.
     """
-    unclipped_BT = ratio_BT * adv_B1
+    unclipped_ratio_BT = (
+        ratio_BT if delta is None else torch.where(adv_B1 < 0, ratio_BT.clamp(max=delta), ratio_BT)
+    )
     clipped_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high) * adv_B1
-    return -torch.minimum(unclipped_BT, clipped_BT)
+    return -torch.minimum(unclipped_ratio_BT * adv_B1, clipped_BT)
+
+
+def cispo_surrogate(
+    ratio_BT: torch.Tensor,
+    logp_BT: torch.Tensor,
+    adv_B1: torch.Tensor,
+    *,
+    cispo_max_ratio: float = 5.0,
+    **_: float,
+) -> torch.Tensor:
+    r"""CISPO (MiniMax-M1, arXiv:2506.13585, eq. 4): clip the importance *weight*, not the update:
+
+    :math:`-\,\mathrm{sg}\big(\min(r, \epsilon^{IS}_{max})\big)\,A\,\log\pi_\theta`
+
+    Every token keeps a gradient (no token is dropped by a clip), weighted by its stop-gradient
+    ratio capped at ``cispo_max_ratio`` (an absolute cap on r, default 5.0 -- not 1 + clip_low).
+    At r = 1 the gradient equals GRPO's.
+
+    Returns ``[B, T]``.
+    """
+    weight_BT = ratio_BT.detach().clamp(max=cispo_max_ratio)
+    return -weight_BT * adv_B1 * logp_BT
+
+
+def sapo_surrogate(
+    ratio_BT: torch.Tensor,
+    logp_BT: torch.Tensor,
+    adv_B1: torch.Tensor,
+    *,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    **_: float,
+) -> torch.Tensor:
+    r"""SAPO (Soft Adaptive Policy Optimization, arXiv:2511.20347): a smooth gate instead of a hard clip:
+
+    :math:`-f_\tau(r)\,A`, :math:`f_\tau(r) = \frac{4}{\tau}\,\sigma\big(\tau (r - 1)\big)`, with
+    :math:`\tau = \tau_{pos}` for A > 0 and :math:`\tau_{neg}` for A < 0.
+
+    :math:`f'(1) = 1`, so on-policy the gradient is GRPO's; off-policy it decays smoothly as r leaves 1
+    (faster for negative advantages, tau_neg > tau_pos).
+
+    Returns ``[B, T]``.
+    """
+    tau_B1 = torch.where(
+        adv_B1 > 0, torch.full_like(adv_B1, sapo_tau_pos), torch.full_like(adv_B1, sapo_tau_neg)
+    )
+    gate_BT = torch.sigmoid(tau_B1 * (ratio_BT - 1.0)) * (4.0 / tau_B1)
+    return -gate_BT * adv_B1
+
+
+SURROGATES: dict[str, Callable[..., torch.Tensor]] = {
+    "clip": clipped_surrogate,
+    "cispo": cispo_surrogate,
+    "sapo": sapo_surrogate,
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,6 +169,7 @@ def seq_mean_token_mean(
     num_sequences: int,
     num_tokens: int,
     max_completion_length: int | None,
+    **_: int,
 ) -> torch.Tensor:
     r"""DeepSeekMath GRPO (arXiv:2402.03300, eq. 3): :math:`\frac{1}{N}\sum_i \frac{1}{|o_i|}\sum_t x_{i,t}`.
 
@@ -119,6 +188,7 @@ def token_mean(
     num_sequences: int,
     num_tokens: int,
     max_completion_length: int | None,
+    **_: int,
 ) -> torch.Tensor:
     r"""DAPO token-level loss (arXiv:2503.14476, eq. 12): :math:`\frac{1}{\sum_i |o_i|}\sum_i\sum_t x_{i,t}`.
 
@@ -134,6 +204,7 @@ def seq_mean_token_sum_norm(
     num_sequences: int,
     num_tokens: int,
     max_completion_length: int | None,
+    **_: int,
 ) -> torch.Tensor:
     r"""Dr. GRPO (arXiv:2503.20783, sec. 3.1): :math:`\frac{1}{N \cdot L_{max}}\sum_i\sum_t x_{i,t}`.
 
@@ -147,10 +218,32 @@ def seq_mean_token_sum_norm(
     return total / (max(num_sequences, 1) * max_completion_length)
 
 
+def bnpo(
+    x_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    num_sequences: int,
+    num_tokens: int,
+    max_completion_length: int | None,
+    num_micro_batches: int = 1,
+) -> torch.Tensor:
+    r"""BNPO / TRL's ``bnpo``: token mean over the *local micro-batch*, averaged over micro-batches:
+
+    :math:`\frac{1}{M}\,\frac{1}{\sum_{i \in mb} |o_i|}\sum_{i \in mb}\sum_t x_{i,t}`.
+
+    Denominator: this micro-batch's own token count, times ``num_micro_batches``. Unlike the other
+    aggregations its value depends on how the batch is split -- that is the definition, kept for
+    parity with trainers that use it.
+    """
+    local = int(mask_BT.sum())
+    return torch.where(mask_BT, x_BT, torch.zeros_like(x_BT)).sum() / (max(local, 1) * num_micro_batches)
+
+
 AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "seq_mean_token_mean": seq_mean_token_mean,
     "token_mean": token_mean,
     "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
+    "bnpo": bnpo,
 }
 
 # --------------------------------------------------------------------------------------------
@@ -174,6 +267,13 @@ def policy_loss(
     kl_kind: str = "k3",
     num_sequences: int | None = None,
     num_tokens: int | None = None,
+    surrogate: str = "clip",
+    delta: float | None = None,
+    cispo_max_ratio: float = 5.0,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    num_micro_batches: int = 1,
+    pg_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""GRPO-family policy loss (to minimise), DeepSeekMath eq. 3 and its variants:
 
@@ -182,9 +282,10 @@ def policy_loss(
 
     with :math:`r_{i,t} = \pi_\theta/\pi_{old}` per token (``ratio_level="token"``) or GSPO's
     sequence ratio :math:`s_i` (``"sequence"``), KL the per-token estimator ``kl_kind``
-    (:func:`grpokit.algo.kl.kl_penalty`), and ``agg`` one of :data:`AGGREGATIONS`. With a single
-    inner epoch ``old_logp`` is ``logp.detach()``: the ratio is 1 but its gradient is the policy
-    gradient.
+    (:func:`grpokit.algo.kl.kl_penalty`), and ``agg`` one of :data:`AGGREGATIONS`. The bracketed
+    surrogate is PPO's clip by default; ``surrogate`` picks another from :data:`SURROGATES`
+    (``cispo``, ``sapo``). With a single inner epoch ``old_logp`` is ``logp.detach()``: the ratio
+    is 1 but its gradient is the policy gradient.
 
     Args:
         logp: ``[B, T]`` current policy log-probs of the completion tokens (differentiable).
@@ -203,6 +304,13 @@ def policy_loss(
         num_sequences: the denominator's N; default: completions in this batch with >= 1 token.
             Pass the whole step's count when accumulating gradients over micro-batches.
         num_tokens: the denominator of ``token_mean``; default: valid tokens in this batch.
+        surrogate: ``"clip" | "cispo" | "sapo"`` (:data:`SURROGATES`).
+        delta: two-sided clipping cap on the ratio for A < 0 (``clip`` only); None disables.
+        cispo_max_ratio: CISPO's cap on the stop-gradient importance weight.
+        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for A > 0 and A < 0.
+        num_micro_batches: M of the ``bnpo`` aggregation (ignored by the others).
+        pg_mask: ``[B, T]`` subset of ``mask`` whose tokens get the policy-gradient term (e.g. the
+            high-entropy tokens); the denominators still count every token of ``mask``. None: all.
 
     Returns:
         ``(loss, metrics)``: the scalar loss, and detached 0-d tensors over this batch's valid
@@ -218,6 +326,12 @@ def policy_loss(
         raise ValueError(f"aggregation must be one of {tuple(AGGREGATIONS)}, got {aggregation!r}")
     if max_completion_length is not None and max_completion_length < 1:
         raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
+    if surrogate not in SURROGATES:
+        raise ValueError(f"surrogate must be one of {tuple(SURROGATES)}, got {surrogate!r}")
+    if delta is not None and not delta > 1:
+        raise ValueError(f"delta (two-sided clipping) must be > 1 or None, got {delta!r}")
+    if pg_mask is not None and pg_mask.shape != mask.shape:
+        raise ValueError(f"pg_mask has shape {tuple(pg_mask.shape)} but mask has {tuple(mask.shape)}")
     clip_high = clip_low if clip_high is None else clip_high
 
     batch_tokens = int(mask_BT.sum())
@@ -225,6 +339,7 @@ def policy_loss(
         "num_sequences": int(mask_BT.any(dim=1).sum()) if num_sequences is None else num_sequences,
         "num_tokens": batch_tokens if num_tokens is None else num_tokens,
         "max_completion_length": max_completion_length,
+        "num_micro_batches": num_micro_batches,
     }
     aggregate = AGGREGATIONS[aggregation]
 
@@ -238,7 +353,19 @@ def policy_loss(
     adv_B1 = advantages.detach().to(logp.dtype).unsqueeze(1)
     log_ratio_BT = RATIO_LEVELS[ratio_level](logp, old_logp, mask_BT)
     ratio_BT = torch.exp(log_ratio_BT)
-    surrogate_BT = clipped_surrogate(ratio_BT, adv_B1, clip_low, clip_high)
+    surrogate_BT = SURROGATES[surrogate](
+        ratio_BT,
+        logp,
+        adv_B1,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        delta=delta,
+        cispo_max_ratio=cispo_max_ratio,
+        sapo_tau_pos=sapo_tau_pos,
+        sapo_tau_neg=sapo_tau_neg,
+    )
+    if pg_mask is not None:
+        surrogate_BT = torch.where(pg_mask.bool(), surrogate_BT, torch.zeros_like(surrogate_BT))
     pg_loss = aggregate(surrogate_BT, mask_BT, **counts)
 
     if ref_logp is not None:
