@@ -69,31 +69,115 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
+    # Fields left null are filled from the `algorithm` preset (PRESETS below).
     estimator: str | None = _f(None, "Advantage baseline: grpo | dr_grpo | rloo (null: from `algorithm`).")
     scale: str | None = _f(None, "Advantage divisor: group | batch | none (null: from `algorithm`).")
     eps: float | None = _f(None, "Added to the std before dividing (null: from `algorithm`).")
     aggregation: str | None = _f(
-        None, "Loss aggregation: seq_mean_token_mean | token_mean | seq_mean_token_sum_norm."
+        None, "Loss aggregation: seq_mean_token_mean | token_mean | seq_mean_token_sum_norm | bnpo."
     )
     ratio_level: str | None = _f(None, "Importance ratio: token (GRPO) | sequence (GSPO).")
+    surrogate: str | None = _f(None, "Per-token surrogate: clip (PPO/GRPO) | cispo | sapo.")
     clip_low: float | None = _f(None, "Clip the ratio below at 1 - clip_low.")
     clip_high: float | None = _f(None, "Clip the ratio above at 1 + clip_high (null: = clip_low).")
     beta: float | None = _f(None, "KL coefficient; 0 loads no reference model.")
     kl: str | None = _f(None, "KL estimator: k1 | k2 | k3.")
+    kl_placement: str | None = _f(
+        None, "loss (KL term in the loss) | reward (beta * sum of k1 subtracted from r)."
+    )
+    dynamic_sampling: bool | None = _f(
+        None, "DAPO: resample until every group of the step has unequal rewards."
+    )
+    overlong_penalty: bool | None = _f(None, "DAPO soft overlong punishment added to the reward.")
+    # Plain options (not set by presets).
+    delta: float | None = _f(
+        None, "Two-sided clipping (INTELLECT-2): cap the ratio at delta when A < 0 (> 1)."
+    )
+    cispo_max_ratio: float = _f(5.0, "CISPO: cap on the stop-gradient importance weight.")
+    sapo_tau_pos: float = _f(1.0, "SAPO: gate temperature for positive advantages.")
+    sapo_tau_neg: float = _f(1.05, "SAPO: gate temperature for negative advantages.")
+    reward_combination: str = _f(
+        "sum_then_normalize", "Several rewards: sum_then_normalize (GRPO) | normalize_then_sum (GDPO)."
+    )
+    dynamic_sampling_max_batches: int = _f(4, "Dynamic sampling: most generation batches drawn per step.")
+    overlong_cache_len: int | None = _f(
+        None, "Overlong penalty ramp length in tokens (null: max_new_tokens // 4)."
+    )
+    mask_truncated_completions: bool = _f(False, "Truncated completions get no loss (overlong filtering).")
+    entropy_top_q: float | None = _f(None, "Train only on the top-q fraction of tokens by entropy, e.g. 0.2.")
+    ref_sync_every: int = _f(0, "Move the reference toward the policy every N steps (0: frozen reference).")
+    ref_sync_mix: float = _f(
+        1.0, "ref <- mix * policy + (1 - mix) * ref at each sync; 1.0 copies the policy."
+    )
 
 
-# Each preset gives every algo.* field; docs/algorithms.md has the formulas and sources.
+_COMMON = dict(
+    eps=1e-4,
+    surrogate="clip",
+    kl="k3",
+    kl_placement="loss",
+    clip_high=None,
+    dynamic_sampling=False,
+    overlong_penalty=False,
+)
+
+# Each preset gives every preset-filled algo.* field; docs/algorithms.md has the formulas and sources.
 PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": dict(
+    # DeepSeekMath (arXiv:2402.03300): std-normalised group advantages, per-sequence token mean, k3 KL.
+    "grpo": _COMMON
+    | dict(
         estimator="grpo",
         scale="group",
-        eps=1e-4,
         aggregation="seq_mean_token_mean",
         ratio_level="token",
         clip_low=0.2,
-        clip_high=None,
         beta=0.04,
-        kl="k3",
+    ),
+    # Dr. GRPO (arXiv:2503.20783): no std, constant normaliser, no KL.
+    "dr_grpo": _COMMON
+    | dict(
+        estimator="dr_grpo",
+        scale="none",
+        aggregation="seq_mean_token_sum_norm",
+        ratio_level="token",
+        clip_low=0.2,
+        beta=0.0,
+    ),
+    # DAPO (arXiv:2503.14476): clip-higher, token-level loss, no KL, dynamic sampling, overlong shaping.
+    "dapo": _COMMON
+    | dict(
+        estimator="grpo",
+        scale="group",
+        aggregation="token_mean",
+        ratio_level="token",
+        clip_low=0.2,
+        clip_high=0.28,
+        beta=0.0,
+        dynamic_sampling=True,
+        overlong_penalty=True,
+    ),
+    # GSPO (arXiv:2507.18071, sec. 5.1): sequence ratio, clip range 3e-4 / 4e-4, no KL.
+    "gspo": _COMMON
+    | dict(
+        estimator="grpo",
+        scale="group",
+        aggregation="seq_mean_token_mean",
+        ratio_level="sequence",
+        clip_low=3e-4,
+        clip_high=4e-4,
+        beta=0.0,
+    ),
+    # RLOO (arXiv:2402.14740): leave-one-out baseline, no std, KL as a k1 penalty in the reward.
+    "rloo": _COMMON
+    | dict(
+        estimator="rloo",
+        scale="none",
+        aggregation="seq_mean_token_mean",
+        ratio_level="token",
+        clip_low=0.2,
+        beta=0.05,
+        kl="k1",
+        kl_placement="reward",
     ),
 }
 
@@ -109,6 +193,9 @@ class TrainConfig:
         None, "Also cap each micro-batch at this many padded tokens (sequences x longest); null: no cap."
     )
     mu: int = _f(1, "Inner epochs over each batch (optimizer steps per generation step), pi_old fixed.")
+    steps_per_generation: int = _f(
+        1, "Optimizer steps per inner epoch: the batch is split into this many parts."
+    )
     lr: float = _f(1e-5, "AdamW learning rate.")
     lr_schedule: str = _f("constant", "constant | cosine (decay to 0 at max_steps), after warm-up.")
     warmup_steps: int = _f(0, "Linear learning-rate warm-up over this many optimizer steps.")
@@ -118,6 +205,9 @@ class TrainConfig:
     eval_every: int = _f(0, "Evaluate on the held-out set every N steps (and at the end); 0 disables.")
     eval_max_prompts: int = _f(500, "Held-out prompts used per evaluation (greedy pass@1).")
     log_samples: int = _f(4, "Completions per step written to samples.jsonl.")
+    dump_tensors: bool = _f(
+        False, "Write each step's first micro-batch tensors to run_dir/tensors/ (debugging)."
+    )
     save_every: int = _f(50, "Save a checkpoint every N steps (and at the last step); 0 disables.")
     keep_last: int = _f(3, "Checkpoints kept in run_dir/checkpoints; older ones are deleted.")
     output_dir: str = _f(
@@ -220,15 +310,54 @@ def validate(cfg: GRPOConfig) -> None:
         raise ConfigError(f"algo.scale: dr_grpo means no std scaling, got {a.scale!r}; use none")
     _check("algo.eps", a.eps >= 0, a.eps, ">= 0")
     _check_choice(
-        "algo.aggregation", a.aggregation, ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+        "algo.aggregation",
+        a.aggregation,
+        ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "bnpo"),
     )
     _check_choice("algo.ratio_level", a.ratio_level, ("token", "sequence"))
     _check("algo.clip_low", 0 <= a.clip_low < 1, a.clip_low, "in [0, 1)")
     _check("algo.clip_high", a.clip_high >= 0, a.clip_high, ">= 0")
     _check("algo.beta", a.beta >= 0, a.beta, ">= 0")
     _check_choice("algo.kl", a.kl, ("k1", "k2", "k3"))
+    _check_choice("algo.kl_placement", a.kl_placement, ("loss", "reward"))
+    _check_choice("algo.surrogate", a.surrogate, ("clip", "cispo", "sapo"))
+    _check_choice(
+        "algo.reward_combination", a.reward_combination, ("sum_then_normalize", "normalize_then_sum")
+    )
+    if a.delta is not None:
+        _check("algo.delta", a.delta > 1, a.delta, "> 1 or null")
+    _check("algo.cispo_max_ratio", a.cispo_max_ratio > 0, a.cispo_max_ratio, "> 0")
+    _check("algo.sapo_tau_pos", a.sapo_tau_pos > 0, a.sapo_tau_pos, "> 0")
+    _check("algo.sapo_tau_neg", a.sapo_tau_neg > 0, a.sapo_tau_neg, "> 0")
+    _check(
+        "algo.dynamic_sampling_max_batches",
+        a.dynamic_sampling_max_batches >= 1,
+        a.dynamic_sampling_max_batches,
+        ">= 1",
+    )
+    if a.overlong_cache_len is not None:
+        _check(
+            "algo.overlong_cache_len",
+            1 <= a.overlong_cache_len < r.max_new_tokens,
+            a.overlong_cache_len,
+            f"in [1, rollout.max_new_tokens={r.max_new_tokens}) or null",
+        )
+    if a.entropy_top_q is not None:
+        _check("algo.entropy_top_q", 0 < a.entropy_top_q <= 1, a.entropy_top_q, "in (0, 1] or null")
+    _check("algo.ref_sync_every", a.ref_sync_every >= 0, a.ref_sync_every, ">= 0 (0: frozen reference)")
+    _check("algo.ref_sync_mix", 0 < a.ref_sync_mix <= 1, a.ref_sync_mix, "in (0, 1]")
+    if a.ref_sync_every and a.beta == 0:
+        raise ConfigError("algo.ref_sync_every > 0 needs a reference model, but algo.beta is 0")
 
-    for key in ("max_steps", "prompts_per_step", "micro_batch_size", "mu", "log_samples", "eval_max_prompts"):
+    for key in (
+        "max_steps",
+        "prompts_per_step",
+        "micro_batch_size",
+        "mu",
+        "steps_per_generation",
+        "log_samples",
+        "eval_max_prompts",
+    ):
         v = getattr(t, key)
         _check(
             f"train.{key}",

@@ -89,6 +89,7 @@ def get(name: str, **options) -> RewardFn:
 def _load_builtins() -> None:
     # Built-in rewards register themselves on import; importing here keeps `get` self-contained.
     from grpokit.data import tasks  # noqa: F401  (registers task_verifier)
+    from grpokit.rewards import format  # noqa: F401  (registers overlong)
 
 
 @dataclass
@@ -110,11 +111,48 @@ class Scores:
     verifier: torch.Tensor | None  # [B] mean of the verifier rewards that applied, NaN if none did
     num_unscored: int  # completions for which every reward returned None (total is 0 there)
 
+    def take(self, rows: list[int]) -> Scores:
+        """The scores of a subset of rows, in that order."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        total = self.total[idx]
+        per = {k: v[idx] for k, v in self.per_reward.items()}
+        verifier = None if self.verifier is None else self.verifier[idx]
+        unscored = int(torch.stack([torch.isnan(v) for v in per.values()]).all(dim=0).sum()) if per else 0
+        return Scores(total, per, verifier, unscored)
+
+
+def concat_scores(parts: list[Scores]) -> Scores:
+    """Scores of several batches, rows one batch after the other."""
+    verifier = None if parts[0].verifier is None else torch.cat([p.verifier for p in parts])
+    per = {k: torch.cat([p.per_reward[k] for p in parts]) for k in parts[0].per_reward}
+    return Scores(torch.cat([p.total for p in parts]), per, verifier, sum(p.num_unscored for p in parts))
+
+
+def reward_columns(
+    rows: list[dict], repeat: int, prompt_column: str = "prompt", answer_column: str = "answer"
+):
+    """The dataset columns a reward sees: every column but the prompt, each value repeated ``repeat``
+    times to line up with the completions; the answer column is also given as ``answer``."""
+    keys = [k for k in rows[0] if k != prompt_column]
+    columns = {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}
+    if answer_column != "answer" and answer_column in columns:
+        columns["answer"] = columns[answer_column]
+    return columns
+
 
 def score(
-    rewards: list[WeightedReward], prompts: list[str], completions: list[str], columns: dict[str, list]
+    rewards: list[WeightedReward],
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list],
+    completion_ids: list[list[int]] | None = None,
 ) -> Scores:
-    """Call every reward on the batch and combine them: ``total = sum_k w_k r_k`` over non-None values."""
+    """Call every reward on the batch and combine them: ``total = sum_k w_k r_k`` over non-None values.
+
+    ``completion_ids`` (each completion's tokens) is passed to the rewards as a column, as TRL does.
+    """
+    if completion_ids is not None:
+        columns = {**columns, "completion_ids": completion_ids}
     B = len(completions)
     total = torch.zeros(B, dtype=torch.float64)
     applied = torch.zeros(B, dtype=torch.bool)

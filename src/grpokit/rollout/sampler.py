@@ -53,6 +53,46 @@ class Rollout:
     def completion_lengths(self) -> torch.Tensor:  # [B]
         return self.completion_mask.sum(dim=1)
 
+    def completion_token_lists(self) -> list[list[int]]:
+        """Each completion's token ids without padding (the ``completion_ids`` reward column)."""
+        return [ids[m].tolist() for ids, m in zip(self.completion_ids, self.completion_mask, strict=True)]
+
+    def take_groups(self, groups: list[int]) -> Rollout:
+        """The rollout of a subset of its groups (prompts), in that order."""
+        G = self.group_size
+        rows = [g * G + j for g in groups for j in range(G)]
+        return Rollout(
+            self.prompt_ids[groups],
+            self.prompt_mask[groups],
+            self.completion_ids[rows],
+            self.completion_mask[rows],
+            self.truncated[rows],
+            [self.completions[r] for r in rows],
+            G,
+        )
+
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Several rollouts as one: prompts re-left-padded, completions re-right-padded to common widths."""
+    L = max(r.prompt_ids.shape[1] for r in parts)
+    T = max(r.completion_ids.shape[1] for r in parts)
+
+    def left(t: torch.Tensor, fill) -> torch.Tensor:
+        return torch.cat([torch.full((t.shape[0], L - t.shape[1]), fill, dtype=t.dtype), t], dim=1)
+
+    def right(t: torch.Tensor, fill) -> torch.Tensor:
+        return torch.cat([t, torch.full((t.shape[0], T - t.shape[1]), fill, dtype=t.dtype)], dim=1)
+
+    return Rollout(
+        torch.cat([left(r.prompt_ids, pad_id) for r in parts]),
+        torch.cat([left(r.prompt_mask, False) for r in parts]),
+        torch.cat([right(r.completion_ids, pad_id) for r in parts]),
+        torch.cat([right(r.completion_mask, False) for r in parts]),
+        torch.cat([r.truncated for r in parts]),
+        [c for r in parts for c in r.completions],
+        parts[0].group_size,
+    )
+
 
 def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize and left-pad: returns ``(ids [P, L], mask [P, L] bool)``."""

@@ -18,6 +18,7 @@ Shape legend: B rows (completions), T completion width, b rows in a micro-batch,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -156,33 +157,66 @@ def accumulate_policy_gradient(
     loss_kwargs: dict,
     old_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
+    entropy_top_q: float | None = None,
+    dump_path: Path | None = None,
 ) -> dict[str, float]:
     """Forward + backward over every micro-batch of ``plan``; gradients accumulate in ``.grad``.
 
+    The loss of each micro-batch is normalised by the counts of *all the rows of the plan* (one
+    optimizer step), so the accumulated gradient is the gradient of that step's full loss.
+
     Args:
         loss_kwargs: keyword arguments of ``algo.policy_loss`` (clip, beta, aggregation, ...).
-        old_logp: ``[B, T]`` sampling-policy log-probs; None means one inner epoch, where pi_old is
-            the current policy and ``logp.detach()`` is used (no extra forward pass).
+        old_logp: ``[B, T]`` sampling-policy log-probs; None means pi_old is the current policy
+            (one inner step per generation) and ``logp.detach()`` is used: no extra forward pass.
         ref_logp: ``[B, T]`` reference log-probs, or None.
+        entropy_top_q: train only on this top fraction of each micro-batch's tokens by entropy
+            ("Beyond the 80/20 rule", Wang et al. 2025, arXiv:2506.01939); the denominators still
+            count every token. None: all tokens.
+        dump_path: write the first micro-batch's inputs and loss here (``train.dump_tensors``).
 
     Returns:
         Token-weighted means over the batch of the loss metrics, ``entropy`` and ``loss`` (the
-        full-batch loss: the sum of the globally normalised micro-batch losses).
+        full loss: the sum of the globally normalised micro-batch losses).
     """
     device = next(model.parameters()).device
+    mask_all = batch.completion_mask[[r for rows in plan for r in rows]]
     counts = dict(
-        num_sequences=int(batch.completion_mask.any(dim=1).sum()), num_tokens=int(batch.completion_mask.sum())
+        num_sequences=int(mask_all.any(dim=1).sum()),
+        num_tokens=int(mask_all.sum()),
+        num_micro_batches=len(plan),
     )
     sums: dict[str, float] = {}
     loss_total, ratio_max, tokens = 0.0, float("-inf"), 0
-    for rows in plan:
+    for k, rows in enumerate(plan):
         mb = collate(batch, rows, pad_id, device)
         logp, entropy = completion_logprobs(model, mb, temperature, with_entropy=True)
         T = logp.shape[1]
         old = logp.detach() if old_logp is None else old_logp[rows, :T].to(device)
         ref = None if ref_logp is None else ref_logp[rows, :T].to(device)
         adv = batch.advantages[rows].to(device)
-        loss, m = policy_loss(logp, old, adv, mb.completion_mask, ref_logp=ref, **loss_kwargs, **counts)
+        pg_mask = None
+        if entropy_top_q is not None and bool(mb.completion_mask.any()):
+            threshold = torch.quantile(entropy[mb.completion_mask].float(), 1.0 - entropy_top_q)
+            pg_mask = mb.completion_mask & (entropy >= threshold)
+        loss, m = policy_loss(
+            logp, old, adv, mb.completion_mask, ref_logp=ref, pg_mask=pg_mask, **loss_kwargs, **counts
+        )
+        if dump_path is not None and k == 0:
+            torch.save(
+                {
+                    "logp": logp.detach().cpu(),
+                    "old_logp": old.cpu(),
+                    "advantages": adv.cpu(),
+                    "mask": mb.completion_mask.cpu(),
+                    "ref_logp": None if ref is None else ref.cpu(),
+                    "pg_mask": None if pg_mask is None else pg_mask.cpu(),
+                    "loss": loss.detach().cpu(),
+                    "loss_kwargs": loss_kwargs,
+                    "counts": counts,
+                },
+                dump_path,
+            )
         loss.backward()
         n = int(m["num_tokens"])
         if n == 0:

@@ -9,8 +9,9 @@ complete new checkpoint or none: the previous one stays loadable. ``find_checkpo
 manifest and refuses a corrupt or partial checkpoint with a message, or (``fallback=True``, what
 ``--resume auto`` asks for) skips back to the newest good one.
 
-What it deliberately does not do: decide when to save (the trainer does), or save the reference
-model (it is the initial policy, reloaded from ``model.name_or_path`` on resume).
+What it deliberately does not do: decide when to save (the trainer does), or save a frozen
+reference model (it is the initial policy, reloaded from ``model.name_or_path`` on resume); a
+reference that moves (``algo.ref_sync_every``) is saved.
 """
 
 from __future__ import annotations
@@ -55,8 +56,12 @@ def save_checkpoint(
     generator: torch.Generator,
     state: TrainerState,
     keep_last: int,
+    ref_model=None,
 ) -> Path:
-    """Write the checkpoint of ``state.step`` atomically and prune to the newest ``keep_last``."""
+    """Write the checkpoint of ``state.step`` atomically and prune to the newest ``keep_last``.
+
+    ``ref_model`` is saved too when given (a reference that moves, ``algo.ref_sync_every``).
+    """
     final = checkpoint_dir(run_dir, state.step)
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -64,6 +69,8 @@ def save_checkpoint(
     tmp.mkdir()
     model.save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
+    if ref_model is not None:
+        ref_model.save_pretrained(tmp / "ref")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(_rng_state(generator), tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
@@ -139,25 +146,31 @@ def find_checkpoint(path: Path, *, fallback: bool = False, warn=print) -> Path |
     return None
 
 
-def load_checkpoint(path: Path, model, optimizer, generator: torch.Generator) -> TrainerState:
-    """Restore weights, optimizer, RNG streams; return the trainer's counters."""
+def load_checkpoint(path: Path, model, optimizer, generator: torch.Generator, ref_model=None) -> TrainerState:
+    """Restore weights, optimizer, RNG streams (and the reference, if it was saved); return the counters."""
+    _load_weights(model, path / "model")
+    if ref_model is not None and (path / "ref").is_dir():
+        _load_weights(ref_model, path / "ref")
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    _set_rng_state(torch.load(path / "rng.pt", weights_only=False), generator)
+    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+
+
+def _load_weights(model, directory: Path) -> None:
     from safetensors.torch import load_file
 
     device = str(next(model.parameters()).device)
     weights = {}
-    for shard in sorted((path / "model").glob("*.safetensors")):  # one file, or several shards
+    for shard in sorted(directory.glob("*.safetensors")):  # one file, or several shards
         weights.update(load_file(shard, device=device))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")}  # tied embeddings are saved once
     if set(missing) - tied or unexpected:
         raise CheckpointError(
-            f"{path}: weights do not fit the model (missing {missing}, unexpected {unexpected})"
+            f"{directory}: weights do not fit the model (missing {missing}, unexpected {unexpected})"
         )
     if tied and hasattr(model, "tie_weights"):
         model.tie_weights()
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    _set_rng_state(torch.load(path / "rng.pt", weights_only=False), generator)
-    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
 
 
 # --------------------------------------------------------------------------------------------

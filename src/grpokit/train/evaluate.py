@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-from grpokit.rewards.registry import WeightedReward, score
+from grpokit.rewards.registry import WeightedReward, reward_columns, score
 from grpokit.rollout.sampler import SamplingParams, sample
 
 
@@ -31,6 +31,7 @@ def evaluate(
     max_new_tokens: int,
     stop: tuple[str, ...] = (),
     batch_size: int = 64,
+    prompt_column: str = "prompt",
 ) -> dict:
     """Greedy pass@1 over ``prompts`` (with their dataset ``rows`` as reward columns).
 
@@ -42,8 +43,8 @@ def evaluate(
     for s in range(0, len(prompts), batch_size):
         chunk_rows, chunk_prompts = rows[s : s + batch_size], prompts[s : s + batch_size]
         rollout = sample(model, tokenizer, chunk_prompts, 1, params)
-        columns = {k: [r.get(k) for r in chunk_rows] for k in chunk_rows[0]}
-        scores = score(rewards, chunk_prompts, rollout.completions, columns)
+        columns = reward_columns(chunk_rows, 1, prompt_column)
+        scores = score(rewards, chunk_prompts, rollout.completions, columns, rollout.completion_token_lists())
         totals.append(scores.total)
         if scores.verifier is not None:
             verified.append(scores.verifier)
@@ -94,6 +95,7 @@ def evaluate_sampled(
     stop: tuple[str, ...] = (),
     seed: int = 0,
     batch_prompts: int = 16,
+    prompt_column: str = "prompt",
 ) -> dict:
     """pass@k (unbiased, from n samples per prompt) and maj@k (majority vote over the first k samples,
     answers compared after stripping whitespace), judged by the verifier rewards.
@@ -113,8 +115,9 @@ def evaluate_sampled(
     for s in range(0, len(prompts), batch_prompts):
         chunk_rows, chunk_prompts = rows[s : s + batch_prompts], prompts[s : s + batch_prompts]
         rollout = sample(model, tokenizer, chunk_prompts, n, params, generator)
-        columns = {k: [r.get(k) for r in chunk_rows for _ in range(n)] for k in chunk_rows[0]}
-        scores = score(rewards, [p for p in chunk_prompts for _ in range(n)], rollout.completions, columns)
+        columns = reward_columns(chunk_rows, n, prompt_column)
+        prompts_n = [p for p in chunk_prompts for _ in range(n)]
+        scores = score(rewards, prompts_n, rollout.completions, columns, rollout.completion_token_lists())
         totals.append(scores.total)
         ok = (scores.verifier == 1.0).tolist()
         for i in range(len(chunk_prompts)):

@@ -32,15 +32,23 @@ from pathlib import Path
 
 import torch
 
-from grpokit.algo import group_advantages, zero_std_groups
+from grpokit.algo import decoupled_advantages, group_advantages, zero_std_groups
 from grpokit.config import GRPOConfig
 from grpokit.data.datasets import RowsSource, check_rows, format_prompt, read_jsonl
 from grpokit.data.tasks import TaskSource
 from grpokit.errors import CheckpointError, TrainingInterrupted
 from grpokit.models.loading import load_model, reference_copy
 from grpokit.report import write_report
-from grpokit.rewards.registry import WeightedReward, get, is_verifier, score
-from grpokit.rollout.sampler import Rollout, SamplingParams, pad_token_id, sample
+from grpokit.rewards.registry import (
+    Scores,
+    WeightedReward,
+    concat_scores,
+    get,
+    is_verifier,
+    reward_columns,
+    score,
+)
+from grpokit.rollout.sampler import Rollout, SamplingParams, concat_rollouts, pad_token_id, sample
 from grpokit.train.batch import TrainBatch, accumulate_policy_gradient, batch_logprobs, plan_micro_batches
 from grpokit.train.checkpoint import TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
 from grpokit.train.evaluate import evaluate
@@ -149,7 +157,7 @@ class GRPOTrainer:
             ckpt = find_checkpoint(where, fallback=auto, warn=lambda m: print(f"grpokit: {m}", flush=True))
             if ckpt is not None:
                 self.run_dir = ckpt.parent.parent
-                state = load_checkpoint(ckpt, self.model, self.optimizer, self.generator)
+                state = load_checkpoint(ckpt, self.model, self.optimizer, self.generator, self.ref_model)
                 self.step, self.rows_consumed = state.step, state.rows_consumed
                 self.num_skipped_steps = state.num_skipped_steps
                 truncate_logs(self.run_dir, state.step)  # drop steps logged after the checkpoint
@@ -171,78 +179,188 @@ class GRPOTrainer:
             self.generator,
             state,
             self.cfg.train.keep_last,
+            ref_model=self.ref_model if self.cfg.algo.ref_sync_every else None,
         )
 
     def train_step(self) -> tuple[dict, list[dict]]:
         """One generation step: the stages in order. Returns (metrics, sample rows)."""
-        cfg, G = self.cfg, self.cfg.rollout.group_size
-        t0 = time.perf_counter()
-        rows, prompts = self._next_prompts(cfg.train.prompts_per_step)
-        rollout = sample(self.model, self.tokenizer, prompts, G, self.sampling, self.generator)
-        t1 = time.perf_counter()
-        columns = _reward_columns(rows, G, cfg.data.prompt_column, cfg.data.answer_column)
-        prompts_B = [p for p in prompts for _ in range(G)]
-        scores = score(self.rewards, prompts_B, rollout.completions, columns)
-        a = cfg.algo
-        adv_B = group_advantages(scores.total, G, estimator=a.estimator, scale=a.scale, eps=a.eps)
-        t2 = time.perf_counter()
-        stats = self._update(TrainBatch.from_rollout(rollout, adv_B))
-        t3 = time.perf_counter()
-        metrics = _step_metrics(self.step, rollout, scores, adv_B, stats, (t0, t1, t2, t3))
-        metrics["num_skipped_steps"] = self.num_skipped_steps
-        return metrics, self._sample_rows(prompts_B, rollout, scores, adv_B)
-
-    def _update(self, batch: TrainBatch) -> dict:
-        """``mu`` optimizer steps on one batch, gradients accumulated over micro-batches."""
         cfg, a = self.cfg, self.cfg.algo
-        if a.beta == 0 and bool((batch.advantages == 0).all()):
-            self.num_skipped_steps += 1
-            lr = self._lr((self.step - 1) * cfg.train.mu)
-            return {"loss": 0.0, "optimizer_step_skipped": 1, "grad_norm": 0.0, "lr": lr}
-        plan = plan_micro_batches(
-            batch.total_lengths(), cfg.train.micro_batch_size, cfg.train.micro_batch_tokens
+        t0 = time.perf_counter()
+        prompts_B, rollout, scores, gen = self._generate()
+        t1 = time.perf_counter()
+        loss_mask = (
+            rollout.completion_mask & ~rollout.truncated[:, None] if a.mask_truncated_completions else None
         )
+        batch = TrainBatch.from_rollout(rollout, torch.zeros(rollout.num_rows), loss_mask)
+        plans = self._plans(batch)
+        full_plan = [mb for plan in plans for mb in plan]
         tau = cfg.rollout.temperature
-        ref_logp = batch_logprobs(self.ref_model, batch, plan, self.pad_id, tau) if self.ref_model else None
-        old_logp = batch_logprobs(self.model, batch, plan, self.pad_id, tau) if cfg.train.mu > 1 else None
+        ref_logp = (
+            batch_logprobs(self.ref_model, batch, full_plan, self.pad_id, tau) if self.ref_model else None
+        )
+        needs_old = cfg.train.mu > 1 or cfg.train.steps_per_generation > 1 or a.kl_placement == "reward"
+        old_logp = batch_logprobs(self.model, batch, full_plan, self.pad_id, tau) if needs_old else None
+        total_B = scores.total
+        if a.kl_placement == "reward" and ref_logp is not None:  # r <- r - beta * sum_t (log pi - log pi_ref)
+            kl_seq_B = torch.where(batch.completion_mask, old_logp - ref_logp, 0.0).sum(dim=1)
+            total_B = total_B - a.beta * kl_seq_B.to(total_B.dtype)
+        batch.advantages = self._advantages(total_B, scores)
+        t2 = time.perf_counter()
+        stats = self._update(batch, plans, old_logp, ref_logp)
+        self._maybe_sync_reference()
+        t3 = time.perf_counter()
+        times = (t0, t0 + gen["time_sampling_s"], t1, t2, t3)
+        metrics = _step_metrics(self.step, rollout, scores, batch.advantages, stats, times)
+        metrics.update(num_skipped_steps=self.num_skipped_steps, generation_batches=gen["batches"])
+        return metrics, self._sample_rows(prompts_B, rollout, scores, batch.advantages)
+
+    def _generate(self) -> tuple[list[str], Rollout, Scores, dict]:
+        """Sample and score ``prompts_per_step`` groups. With DAPO's dynamic sampling, keep drawing
+        batches (at most ``algo.dynamic_sampling_max_batches``) and keep only groups whose rewards
+        differ, until ``prompts_per_step`` of them are found; fewer if the cap is reached."""
+        cfg, G, P = self.cfg, self.cfg.rollout.group_size, self.cfg.train.prompts_per_step
+        kept: list[tuple[list[str], Rollout, Scores]] = []
+        num_kept, sampling_s, batches = 0, 0.0, 0
+        for batches in range(
+            1, (cfg.algo.dynamic_sampling_max_batches if cfg.algo.dynamic_sampling else 1) + 1
+        ):
+            t = time.perf_counter()
+            rows, prompts = self._next_prompts(P)
+            rollout = sample(self.model, self.tokenizer, prompts, G, self.sampling, self.generator)
+            sampling_s += time.perf_counter() - t
+            prompts_B = [p for p in prompts for _ in range(G)]
+            columns = reward_columns(rows, G, cfg.data.prompt_column, cfg.data.answer_column)
+            scores = score(
+                self.rewards, prompts_B, rollout.completions, columns, rollout.completion_token_lists()
+            )
+            if not cfg.algo.dynamic_sampling:
+                return prompts_B, rollout, scores, {"batches": 1, "time_sampling_s": sampling_s}
+            groups = (~zero_std_groups(scores.total, G)).nonzero().flatten().tolist()[: P - num_kept]
+            last_chance = not kept and batches == cfg.algo.dynamic_sampling_max_batches
+            if groups or last_chance:
+                groups = groups or list(range(P))  # nothing informative at all: train on the last batch
+                rows_B = [g * G + j for g in groups for j in range(G)]
+                kept.append(
+                    ([prompts_B[r] for r in rows_B], rollout.take_groups(groups), scores.take(rows_B))
+                )
+                num_kept += len(groups)
+            if num_kept >= P:
+                break
+        rollout = concat_rollouts([k[1] for k in kept], self.pad_id)
+        return (
+            [p for k in kept for p in k[0]],
+            rollout,
+            concat_scores([k[2] for k in kept]),
+            {"batches": batches, "time_sampling_s": sampling_s},
+        )
+
+    def _advantages(self, total_B: torch.Tensor, scores: Scores) -> torch.Tensor:
+        a, G = self.cfg.algo, self.cfg.rollout.group_size
+        if a.reward_combination == "normalize_then_sum" and len(self.rewards) > 1:
+            per_KB = torch.stack([scores.per_reward[r.name] for r in self.rewards])
+            if torch.isnan(per_KB).any():
+                raise ValueError(
+                    "algo.reward_combination=normalize_then_sum needs every reward to score every "
+                    "completion, but a reward returned None"
+                )
+            return decoupled_advantages(
+                per_KB, [r.weight for r in self.rewards], G, estimator=a.estimator, scale=a.scale, eps=a.eps
+            )
+        return group_advantages(total_B, G, estimator=a.estimator, scale=a.scale, eps=a.eps)
+
+    def _plans(self, batch: TrainBatch) -> list[list[list[int]]]:
+        """One micro-batch plan per optimizer step of an inner epoch (``train.steps_per_generation``
+        parts of whole groups)."""
+        t, G = self.cfg.train, self.cfg.rollout.group_size
+        lengths = batch.total_lengths()
+        groups = batch.num_rows // G
+        parts = [
+            list(
+                range(
+                    k * groups // t.steps_per_generation * G, (k + 1) * groups // t.steps_per_generation * G
+                )
+            )
+            for k in range(t.steps_per_generation)
+        ]
+        plans = []
+        for rows in (p for p in parts if p):
+            local = plan_micro_batches([lengths[r] for r in rows], t.micro_batch_size, t.micro_batch_tokens)
+            plans.append([[rows[i] for i in mb] for mb in local])
+        return plans
+
+    def _update(
+        self, batch: TrainBatch, plans: list, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None
+    ) -> dict:
+        """``mu`` inner epochs x ``steps_per_generation`` optimizer steps on one batch."""
+        cfg, a = self.cfg, self.cfg.algo
+        per_gen = cfg.train.mu * len(plans)
+        kl_in_loss = a.beta > 0 and a.kl_placement == "loss"
+        if not kl_in_loss and bool((batch.advantages == 0).all()):
+            self.num_skipped_steps += 1
+            lr = self._lr((self.step - 1) * per_gen)
+            return {"loss": 0.0, "optimizer_step_skipped": 1, "grad_norm": 0.0, "lr": lr}
         loss_kwargs = dict(
-            beta=a.beta,
+            beta=a.beta if kl_in_loss else 0.0,
             clip_low=a.clip_low,
             clip_high=a.clip_high,
             ratio_level=a.ratio_level,
             aggregation=a.aggregation,
             max_completion_length=cfg.rollout.max_new_tokens,
             kl_kind=a.kl,
+            surrogate=a.surrogate,
+            delta=a.delta,
+            cispo_max_ratio=a.cispo_max_ratio,
+            sapo_tau_pos=a.sapo_tau_pos,
+            sapo_tau_neg=a.sapo_tau_neg,
         )
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        epochs = []
+        dump = None
+        if cfg.train.dump_tensors:
+            (self.run_dir / "tensors").mkdir(exist_ok=True)
+            dump = self.run_dir / "tensors" / f"step-{self.step:06d}.pt"
+        steps = []
         for epoch in range(cfg.train.mu):
-            lr = self._lr((self.step - 1) * cfg.train.mu + epoch)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.zero_grad(set_to_none=True)
-            stats = accumulate_policy_gradient(
-                self.model,
-                batch,
-                plan,
-                self.pad_id,
-                temperature=tau,
-                loss_kwargs=loss_kwargs,
-                old_logp=old_logp,
-                ref_logp=ref_logp,
-            )
-            max_norm = cfg.train.max_grad_norm or float("inf")
-            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-            self.optimizer.step()
-            epochs.append(stats)
+            for k, plan in enumerate(plans):
+                lr = self._lr((self.step - 1) * per_gen + epoch * len(plans) + k)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.optimizer.zero_grad(set_to_none=True)
+                stats = accumulate_policy_gradient(
+                    self.model,
+                    batch,
+                    plan,
+                    self.pad_id,
+                    temperature=cfg.rollout.temperature,
+                    loss_kwargs=loss_kwargs,
+                    old_logp=old_logp,
+                    ref_logp=ref_logp,
+                    entropy_top_q=a.entropy_top_q,
+                    dump_path=dump if epoch == 0 and k == 0 else None,
+                )
+                stats["grad_norm"] = float(
+                    torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or math.inf)
+                )
+                self.optimizer.step()
+                steps.append(stats)
         self.optimizer.zero_grad(set_to_none=True)
-        out = {k: sum(e[k] for e in epochs) / len(epochs) for k in epochs[0] if k != "ratio_max"}
-        out.update(ratio_max=max(e["ratio_max"] for e in epochs), optimizer_step_skipped=0, lr=lr)
+        out = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0] if key != "ratio_max"}
+        out.update(ratio_max=max(s["ratio_max"] for s in steps), optimizer_step_skipped=0, lr=lr)
         return out
+
+    def _maybe_sync_reference(self) -> None:
+        """DeepSeekMath's iterative GRPO: every ``ref_sync_every`` steps,
+        ref <- mix * policy + (1 - mix) * ref."""
+        a = self.cfg.algo
+        if self.ref_model is None or not a.ref_sync_every or self.step % a.ref_sync_every:
+            return
+        with torch.no_grad():
+            for p_ref, p in zip(self.ref_model.parameters(), self.model.parameters(), strict=True):
+                p_ref.mul_(1.0 - a.ref_sync_mix).add_(p.detach(), alpha=a.ref_sync_mix)
 
     def _lr(self, k: int) -> float:
         """Learning rate of optimizer step k (0-based): linear warm-up, then constant or cosine to 0."""
-        t, total = self.cfg.train, self.cfg.train.max_steps * self.cfg.train.mu
+        t = self.cfg.train
+        total = t.max_steps * t.mu * t.steps_per_generation
         if k < t.warmup_steps:
             return t.lr * (k + 1) / t.warmup_steps
         if t.lr_schedule == "constant":
@@ -268,6 +386,7 @@ class GRPOTrainer:
             self.rewards,
             max_new_tokens=self.cfg.rollout.max_new_tokens,
             stop=tuple(self.cfg.rollout.stop),
+            prompt_column=d.prompt_column,
         )
 
     def _sample_rows(self, prompts_B: list[str], rollout: Rollout, scores, adv_B: torch.Tensor) -> list[dict]:
@@ -340,21 +459,28 @@ def _build_data(cfg: GRPOConfig, dataset, eval_dataset) -> tuple:
 
 
 def _build_rewards(cfg: GRPOConfig, rewards) -> list[WeightedReward]:
-    if rewards is not None:
-        named = [
-            r if isinstance(r, WeightedReward) else WeightedReward(getattr(r, "__name__", "reward"), r)
-            for r in rewards
-        ]
-        return _unique_names(named)
+    """The step's rewards: the ones given (callables or WeightedReward) or ``cfg.rewards``, plus
+    DAPO's overlong penalty when ``algo.overlong_penalty`` is on (max_len = rollout.max_new_tokens)."""
     out = []
-    for spec in cfg.rewards:
-        options = dict(spec.options)
-        if spec.name == "task_verifier" and "task" not in options:
-            if cfg.data.task is None:
-                raise ValueError("reward task_verifier needs data.task (or rewards[].options.task)")
-            options["task"] = cfg.data.task
-        verifier = is_verifier(spec.name) if spec.verifier is None else spec.verifier
-        out.append(WeightedReward(spec.name.split(":")[-1], get(spec.name, **options), spec.weight, verifier))
+    if rewards is not None:
+        for r in rewards:
+            out.append(
+                r if isinstance(r, WeightedReward) else WeightedReward(getattr(r, "__name__", "reward"), r)
+            )
+    else:
+        for spec in cfg.rewards:
+            options = dict(spec.options)
+            if spec.name == "task_verifier" and "task" not in options:
+                if cfg.data.task is None:
+                    raise ValueError("reward task_verifier needs data.task (or rewards[].options.task)")
+                options["task"] = cfg.data.task
+            verifier = is_verifier(spec.name) if spec.verifier is None else spec.verifier
+            out.append(
+                WeightedReward(spec.name.split(":")[-1], get(spec.name, **options), spec.weight, verifier)
+            )
+    if cfg.algo.overlong_penalty and not any(r.name == "overlong" for r in out):
+        penalty = get("overlong", max_len=cfg.rollout.max_new_tokens, cache_len=cfg.algo.overlong_cache_len)
+        out.append(WeightedReward("overlong", penalty, 1.0))
     return _unique_names(out)
 
 
@@ -374,15 +500,8 @@ def _with_answer(rows: list[dict], answer_column: str) -> list[dict]:
     return [{**r, "answer": r[answer_column]} if answer_column in r else r for r in rows]
 
 
-def _reward_columns(rows: list[dict], G: int, prompt_column: str, answer_column: str) -> dict[str, list]:
-    """Every non-prompt column, repeated G times to line up with the completions."""
-    rows = _with_answer(rows, answer_column)
-    keys = [k for k in rows[0] if k != prompt_column]
-    return {k: [r.get(k) for r in rows for _ in range(G)] for k in keys}
-
-
 def _step_metrics(step: int, rollout: Rollout, scores, adv_B: torch.Tensor, stats: dict, times) -> dict:
-    t0, t1, t2, t3 = times
+    t0, t_sampled, t1, _, t3 = times  # start, sampling done (summed), generation done, advantages, update
     total, lengths = scores.total, rollout.completion_lengths.float()
     nan = float("nan")
     m = {
@@ -410,9 +529,9 @@ def _step_metrics(step: int, rollout: Rollout, scores, adv_B: torch.Tensor, stat
         "lr": stats["lr"],
         "optimizer_step_skipped": stats["optimizer_step_skipped"],
         "num_unscored": scores.num_unscored,
-        "time_sampling_s": t1 - t0,
-        "time_scoring_s": t2 - t1,
-        "time_training_s": t3 - t2,
+        "time_sampling_s": t_sampled - t0,
+        "time_scoring_s": t1 - t_sampled,
+        "time_training_s": t3 - t1,
         "tokens_per_s": float(lengths.sum()) / max(t3 - t0, 1e-9),
     }
     return m
