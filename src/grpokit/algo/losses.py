@@ -46,7 +46,7 @@ def token_log_ratio(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT: t
 def sequence_log_ratio(
     logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT: torch.Tensor
 ) -> torch.Tensor:
-    r"""Sequence-level log ratio broadcast to tokens (GSPO, Zheng et al. 2025, arXiv:2507.18071, eq. 7):
+    r"""Sequence-level log ratio broadcast to tokens (GSPO, Zheng et al. 2025, arXiv:2507.18071, sec. 4):
 
     :math:`\log s_i = \frac{1}{|o_i|}\sum_t (\log\pi_\theta(o_{i,t}) - \log\pi_{old}(o_{i,t}))`,
     the log of the length-normalised sequence likelihood ratio. Every token of completion i carries
@@ -86,10 +86,10 @@ def clipped_surrogate(
     :math:`-\min\big(\tilde r A,\ \mathrm{clip}(r, 1-\epsilon_{low}, 1+\epsilon_{high})\,A\big)`
 
     (PPO, Schulman et al. 2017, arXiv:1707.06347, eq. 7; asymmetric "clip-higher" bounds from
-    DAPO, Yu et al. 2025, arXiv:2503.14476, eq. 10). Where the clip is active -- ratio below
+    DAPO, Yu et al. 2025, arXiv:2503.14476, sec. 3.1). Where the clip is active -- ratio below
     1 - clip_low with A < 0, or above 1 + clip_high with A > 0 -- the gradient is exactly 0.
 
-    ``delta`` (two-sided clipping, INTELLECT-2, Prime Intellect 2025, arXiv:2505.07291, sec. 3):
+    ``delta`` (two-sided clipping, INTELLECT-2, Prime Intellect 2025, arXiv:2505.07291):
     :math:`\tilde r = \min(r, \delta)` when A < 0, so a token whose ratio exploded cannot make an
     unbounded negative-advantage update; otherwise :math:`\tilde r = r`.
 
@@ -110,7 +110,7 @@ def cispo_surrogate(
     cispo_max_ratio: float = 5.0,
     **_: float,
 ) -> torch.Tensor:
-    r"""CISPO (MiniMax-M1, arXiv:2506.13585, eq. 4): clip the importance *weight*, not the update:
+    r"""CISPO (MiniMax-M1, arXiv:2506.13585): clip the importance *weight*, not the update:
 
     :math:`-\,\mathrm{sg}\big(\min(r, \epsilon^{IS}_{max})\big)\,A\,\log\pi_\theta`
 
@@ -190,7 +190,7 @@ def token_mean(
     max_completion_length: int | None,
     **_: int,
 ) -> torch.Tensor:
-    r"""DAPO token-level loss (arXiv:2503.14476, eq. 12): :math:`\frac{1}{\sum_i |o_i|}\sum_i\sum_t x_{i,t}`.
+    r"""DAPO token-level loss (arXiv:2503.14476, sec. 3.3): :math:`\frac{1}{\sum_i |o_i|}\sum_i\sum_t x_{i,t}`.
 
     Denominator: ``num_tokens``, so every token of the batch weighs the same.
     """
@@ -206,7 +206,7 @@ def seq_mean_token_sum_norm(
     max_completion_length: int | None,
     **_: int,
 ) -> torch.Tensor:
-    r"""Dr. GRPO (arXiv:2503.20783, sec. 3.1): :math:`\frac{1}{N \cdot L_{max}}\sum_i\sum_t x_{i,t}`.
+    r"""Dr. GRPO (arXiv:2503.20783, sec. 3): :math:`\frac{1}{N \cdot L_{max}}\sum_i\sum_t x_{i,t}`.
 
     Denominator: ``num_sequences * max_completion_length``, a constant, so no length bias.
     """

@@ -14,7 +14,7 @@ from grpokit.rewards.registry import register
 
 
 def overlong_penalty(length: int, max_len: int, cache_len: int) -> float:
-    r"""DAPO soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13):
+    r"""DAPO soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, sec. 3.4):
 
     :math:`0` if :math:`|y| \le L_{max} - L_{cache}`;
     :math:`((L_{max} - L_{cache}) - |y|) / L_{cache}` if :math:`L_{max} - L_{cache} < |y| \le L_{max}`;
