@@ -190,7 +190,9 @@ def token_mean(
     max_completion_length: int | None,
     **_: int,
 ) -> torch.Tensor:
-    r"""DAPO token-level loss (arXiv:2503.14476, sec. 3.3): :math:`\frac{1}{\sum_i |o_i|}\sum_i\sum_t x_{i,t}`.
+    r"""DAPO token-level loss (arXiv:2503.14476, sec. 3.3):
+
+    :math:`\frac{1}{\sum_i |o_i|}\sum_i\sum_t x_{i,t}`.
 
     Denominator: ``num_tokens``, so every token of the batch weighs the same.
     """
