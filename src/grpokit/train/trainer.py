@@ -216,8 +216,9 @@ class GRPOTrainer:
 
     def _generate(self) -> tuple[list[str], Rollout, Scores, dict]:
         """Sample and score ``prompts_per_step`` groups. With DAPO's dynamic sampling, keep drawing
-        batches (at most ``algo.dynamic_sampling_max_batches``) and keep only groups whose rewards
-        differ, until ``prompts_per_step`` of them are found; fewer if the cap is reached."""
+        batches (at most ``algo.dynamic_sampling_max_batches``) and keep only groups whose verifier
+        accuracy (or, without a verifier, total reward) differs, until ``prompts_per_step`` of them
+        are found; fewer if the cap is reached."""
         cfg, G, P = self.cfg, self.cfg.rollout.group_size, self.cfg.train.prompts_per_step
         kept: list[tuple[list[str], Rollout, Scores]] = []
         num_kept, sampling_s, batches = 0, 0.0, 0
@@ -235,7 +236,9 @@ class GRPOTrainer:
             )
             if not cfg.algo.dynamic_sampling:
                 return prompts_B, rollout, scores, {"batches": 1, "time_sampling_s": sampling_s}
-            groups = (~zero_std_groups(scores.total, G)).nonzero().flatten().tolist()[: P - num_kept]
+            # DAPO filters on accuracy (all right or all wrong); without a verifier, on the total reward
+            signal = scores.total if scores.verifier is None else torch.nan_to_num(scores.verifier)
+            groups = (~zero_std_groups(signal, G)).nonzero().flatten().tolist()[: P - num_kept]
             last_chance = not kept and batches == cfg.algo.dynamic_sampling_max_batches
             if groups or last_chance:
                 groups = groups or list(range(P))  # nothing informative at all: train on the last batch
