@@ -34,6 +34,10 @@ def exact_match(completion: str, answer: str) -> float:
     return 1.0 if completion.strip() == answer else 0.0
 
 
+def _verify_exact(prompt: str, completion: str, answer: str) -> float:
+    return exact_match(completion, answer)
+
+
 def _make_addition(rng: random.Random, digits: int) -> tuple[str, str]:
     a, b = rng.randrange(10**digits), rng.randrange(10**digits)
     return f"{a}+{b}=", str(a + b)
@@ -136,14 +140,14 @@ TASKS: dict[str, Task] = {
         "addition",
         "a+b= with operands of up to `difficulty` digits; answer: the sum",
         _make_addition,
-        lambda prompt, completion, answer: exact_match(completion, answer),
+        _verify_exact,
         default_difficulty=2,
     ),
     "sort": Task(
         "sort",
         "sort:<digits>= with `difficulty` digits; answer: the digits in ascending order",
         _make_sort,
-        lambda prompt, completion, answer: exact_match(completion, answer),
+        _verify_exact,
         default_difficulty=6,
     ),
     "countdown": Task(
