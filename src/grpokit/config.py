@@ -232,6 +232,9 @@ class RewardSpec:
         None, "Is this an exact 0/1 verifier (feeds `accuracy`)? null: the reward's own."
     )
     options: dict = _f({}, "Keyword options passed to the reward's constructor.")
+    error: str = _f(
+        "raise", "When the reward raises: raise (stop the run) | zero (score the batch 0, count it)."
+    )
 
 
 @dataclass
@@ -392,6 +395,7 @@ def validate(cfg: GRPOConfig) -> None:
             "a non-empty string",
         )
         _check(f"rewards[{i}].weight", spec.weight == spec.weight, spec.weight, "a number")
+        _check_choice(f"rewards[{i}].error", spec.error, ("raise", "zero"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -100,6 +100,9 @@ class WeightedReward:
     fn: RewardFn
     weight: float = 1.0
     verifier: bool = False
+    error: str = (
+        "raise"  # a reward that raises: "raise" stops the run, "zero" scores the batch 0 and counts it
+    )
 
 
 @dataclass
@@ -110,6 +113,7 @@ class Scores:
     per_reward: dict[str, torch.Tensor]  # name -> [B] float32, NaN where the reward returned None
     verifier: torch.Tensor | None  # [B] mean of the verifier rewards that applied, NaN if none did
     num_unscored: int  # completions for which every reward returned None (total is 0 there)
+    num_failed: int = 0  # completions a reward failed on (raised under error=zero, or timed out inside)
 
     def take(self, rows: list[int]) -> Scores:
         """The scores of a subset of rows, in that order."""
@@ -118,14 +122,20 @@ class Scores:
         per = {k: v[idx] for k, v in self.per_reward.items()}
         verifier = None if self.verifier is None else self.verifier[idx]
         unscored = int(torch.stack([torch.isnan(v) for v in per.values()]).all(dim=0).sum()) if per else 0
-        return Scores(total, per, verifier, unscored)
+        return Scores(total, per, verifier, unscored, self.num_failed)
 
 
 def concat_scores(parts: list[Scores]) -> Scores:
     """Scores of several batches, rows one batch after the other."""
     verifier = None if parts[0].verifier is None else torch.cat([p.verifier for p in parts])
     per = {k: torch.cat([p.per_reward[k] for p in parts]) for k in parts[0].per_reward}
-    return Scores(torch.cat([p.total for p in parts]), per, verifier, sum(p.num_unscored for p in parts))
+    return Scores(
+        torch.cat([p.total for p in parts]),
+        per,
+        verifier,
+        sum(p.num_unscored for p in parts),
+        sum(p.num_failed for p in parts),
+    )
 
 
 def reward_columns(
@@ -158,8 +168,19 @@ def score(
     applied = torch.zeros(B, dtype=torch.bool)
     per_reward: dict[str, torch.Tensor] = {}
     verifier_values = []
+    failed = 0
     for spec in rewards:
-        values = _call(spec, prompts, completions, columns)
+        try:
+            values = _call(spec, prompts, completions, columns)
+            failed += int(getattr(spec.fn, "last_failures", 0) or 0)
+        except Exception as e:
+            if spec.error != "zero":
+                raise RuntimeError(
+                    f"reward {spec.name!r} raised {type(e).__name__}: {e} "
+                    "(set error: zero on this reward to score such batches 0 and count them instead)"
+                ) from e
+            values = torch.zeros(B, dtype=torch.float64)
+            failed += B
         per_reward[spec.name] = values.float()
         ok = ~torch.isnan(values)
         total += torch.where(ok, values * spec.weight, torch.zeros_like(values))
@@ -167,7 +188,7 @@ def score(
         if spec.verifier:
             verifier_values.append(values)
     verifier = torch.stack(verifier_values).nanmean(dim=0).float() if verifier_values else None
-    return Scores(total.float(), per_reward, verifier, int((~applied).sum()))
+    return Scores(total.float(), per_reward, verifier, int((~applied).sum()), failed)
 
 
 def _call(spec: WeightedReward, prompts, completions, columns) -> torch.Tensor:

@@ -478,9 +478,8 @@ def _build_rewards(cfg: GRPOConfig, rewards) -> list[WeightedReward]:
                     raise ValueError("reward task_verifier needs data.task (or rewards[].options.task)")
                 options["task"] = cfg.data.task
             verifier = is_verifier(spec.name) if spec.verifier is None else spec.verifier
-            out.append(
-                WeightedReward(spec.name.split(":")[-1], get(spec.name, **options), spec.weight, verifier)
-            )
+            fn = get(spec.name, **options)
+            out.append(WeightedReward(spec.name.split(":")[-1], fn, spec.weight, verifier, spec.error))
     if cfg.algo.overlong_penalty and not any(r.name == "overlong" for r in out):
         penalty = get("overlong", max_len=cfg.rollout.max_new_tokens, cache_len=cfg.algo.overlong_cache_len)
         out.append(WeightedReward("overlong", penalty, 1.0))
@@ -532,6 +531,7 @@ def _step_metrics(step: int, rollout: Rollout, scores, adv_B: torch.Tensor, stat
         "lr": stats["lr"],
         "optimizer_step_skipped": stats["optimizer_step_skipped"],
         "num_unscored": scores.num_unscored,
+        "reward_failures": scores.num_failed,
         "time_sampling_s": t_sampled - t0,
         "time_scoring_s": t1 - t_sampled,
         "time_training_s": t3 - t1,
