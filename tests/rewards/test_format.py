@@ -82,5 +82,5 @@ def test_bad_options_are_clear():
         get("think_format", mode="loose")
     with pytest.raises(ValueError, match="max_len must be >= 1"):
         get("length", max_len=0)
-    with pytest.raises(ValueError, match="unknown reward 'nope'; registered rewards: .*math_accuracy"):
+    with pytest.raises(ValueError, match=r"unknown reward 'nope'; registered rewards: .*math_accuracy"):
         get("nope")
