@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.grpokit-installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test lint format bench clean sysdeps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,10 +18,18 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 	touch $@
 
+# The code-reward sandbox needs bubblewrap (Debian package `bubblewrap`); prlimit and setpriv come
+# with util-linux. As root (CI) it is installed here; otherwise the message says what to run.
+sysdeps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  echo "installing bubblewrap for the code sandbox (apt-get install bubblewrap)"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } || { \
+	    echo "could not install bubblewrap: run 'sudo apt-get install bubblewrap' and retry"; exit 1; }; }
+
 demo: $(STAMP)
 	$(VENV)/bin/grpokit demo
 
-test: lint
+test: lint sysdeps
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -89,7 +89,7 @@ def get(name: str, **options) -> RewardFn:
 def _load_builtins() -> None:
     # Built-in rewards register themselves on import; importing here keeps `get` self-contained.
     from grpokit.data import tasks  # noqa: F401  (registers task_verifier)
-    from grpokit.rewards import format, math  # noqa: F401  (register overlong, math_accuracy)
+    from grpokit.rewards import code, format, math  # noqa: F401  (register their rewards)
 
 
 @dataclass
