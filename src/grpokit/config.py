@@ -233,7 +233,13 @@ class RewardSpec:
     )
     options: dict = _f({}, "Keyword options passed to the reward's constructor.")
     error: str = _f(
-        "raise", "When the reward raises: raise (stop the run) | zero (score the batch 0, count it)."
+        "raise", "When the reward raises or times out: raise (stop the run) | zero (score 0, count it)."
+    )
+    workers: int = _f(
+        0, "Run the reward per completion in this many worker processes (0: in-process, batched)."
+    )
+    timeout_s: float = _f(
+        30.0, "With workers > 0: wall-clock limit per completion; past it the worker is killed."
     )
 
 
@@ -396,6 +402,8 @@ def validate(cfg: GRPOConfig) -> None:
         )
         _check(f"rewards[{i}].weight", spec.weight == spec.weight, spec.weight, "a number")
         _check_choice(f"rewards[{i}].error", spec.error, ("raise", "zero"))
+        _check(f"rewards[{i}].workers", spec.workers >= 0, spec.workers, ">= 0")
+        _check(f"rewards[{i}].timeout_s", spec.timeout_s > 0, spec.timeout_s, "> 0")
 
 
 # --------------------------------------------------------------------------------------------

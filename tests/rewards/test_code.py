@@ -137,3 +137,12 @@ def test_missing_bwrap_refuses_with_the_fix(monkeypatch):
 def test_unsandboxed_mode_warns():
     with pytest.warns(UserWarning, match="WITHOUT a sandbox"):
         Sandbox(mode="none")
+
+
+def test_many_quick_runs_do_not_pile_up_zombies_against_the_process_limit():
+    # bwrap's namespace init is reparented when the outer bwrap exits; unreaped, 32 of them would
+    # exhaust RLIMIT_NPROC and every later run would fail to start
+    box = Sandbox(limits=Limits(processes=8), slots=1)
+    codes = [box.run({}, ["/usr/bin/python3", "-I", "-S", "-c", "pass"]).returncode for _ in range(40)]
+    assert codes == [0] * 40
+    assert running_pids(Sandbox.UID_BASE) == []

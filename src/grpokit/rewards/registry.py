@@ -89,7 +89,7 @@ def get(name: str, **options) -> RewardFn:
 def _load_builtins() -> None:
     # Built-in rewards register themselves on import; importing here keeps `get` self-contained.
     from grpokit.data import tasks  # noqa: F401  (registers task_verifier)
-    from grpokit.rewards import code, format, math  # noqa: F401  (register their rewards)
+    from grpokit.rewards import code, format, math, model  # noqa: F401  (register their rewards)
 
 
 @dataclass
@@ -207,3 +207,52 @@ def _call(spec: WeightedReward, prompts, completions, columns) -> torch.Tensor:
             f"(e.g. {completions[bad[0]]!r}); return None for 'not applicable', or fix the reward"
         )
     return values
+
+
+_WORKER_CACHE: dict[str, RewardFn] = {}
+
+
+def _score_one(task: tuple) -> float | None:
+    """Worker side of :class:`ParallelReward`: build the reward once per process, score one sample."""
+    name, options, prompt, completion, row = task
+    key = repr((name, sorted(options.items())))
+    if key not in _WORKER_CACHE:
+        _WORKER_CACHE[key] = get(name, **options)
+    out = _WORKER_CACHE[key]([prompt], [completion], **{k: [v] for k, v in row.items()})
+    return out[0]
+
+
+class ParallelReward:
+    """A reward run one completion at a time in worker processes, each with a hard timeout.
+
+    Any registered or ``module:function`` reward works: each worker builds it by name. A sample
+    that raises or times out scores 0 under ``error="zero"`` (counted in ``last_failures``), or
+    stops the run under ``error="raise"``.
+    """
+
+    def __init__(self, name: str, options: dict, workers: int, timeout_s: float, error: str) -> None:
+        from grpokit.rewards.workers import shared_pool
+
+        self.name, self.options, self.error = name, dict(options), error
+        self.pool = shared_pool(workers, timeout_s)
+        self.__name__ = name.split(":")[-1]
+        self.last_failures = 0
+
+    def __call__(self, prompts, completions, **columns):
+        tasks = [
+            (self.name, self.options, p, c, {k: v[i] for k, v in columns.items()})
+            for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
+        ]
+        out, self.last_failures = [], 0
+        for i, res in enumerate(self.pool.map(_score_one, tasks)):
+            if res.ok:
+                out.append(res.value)
+                continue
+            if self.error != "zero":
+                raise RuntimeError(
+                    f"reward {self.name!r} failed on completion {i}: {res.error} "
+                    "(set error: zero to score it 0 and count it instead)"
+                )
+            out.append(0.0)
+            self.last_failures += 1
+        return out

@@ -86,6 +86,8 @@ class Sandbox:
         self.mode, self.limits = mode, limits or Limits()
         self._free = list(range(self.UID_BASE, self.UID_BASE + slots))
         self._lock = threading.Lock()
+        if mode == "bwrap":
+            _become_subreaper()
         if mode == "none":
             warnings.warn(
                 "code rewards run WITHOUT a sandbox (sandbox='none'): completions can read, write "
@@ -164,17 +166,33 @@ class Sandbox:
 
     def _reap(self, uid: int) -> None:
         """Kill anything still running under the slot's uid (nothing should be: the PID namespace
-        dies with bwrap), so the next run of this slot starts clean. Zombies are skipped: they run
-        nothing and only init can reap them (bwrap's namespace init is reparented there)."""
+        dies with bwrap) and reap the zombies reparented to us, so the next run of this slot
+        starts with a clean process count."""
         if self.mode == "none":
             return
         for _ in range(100):  # SIGKILL is asynchronous: wait until the uid runs nothing
-            alive = [pid for pid in _pids_of(uid) if _state(pid) not in ("Z", None)]
+            pids = _pids_of(uid)
+            for pid in pids:  # reap our orphaned sandbox inits (we are their subreaper)
+                if _state(pid) == "Z":
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, os.WNOHANG)
+            alive = [pid for pid in pids if _state(pid) not in ("Z", None)]
             if not alive:
                 return
             for pid in alive:
                 with_suppressed(os.kill, pid, signal.SIGKILL)
             time.sleep(0.02)
+
+
+def _become_subreaper() -> None:
+    """bwrap's namespace init outlives the outer bwrap by a moment and is reparented; as a child
+    subreaper this process receives it (instead of a container's pid 1, which may never reap) and
+    ``_reap`` collects it, so zombies never pile up against the sandbox uid's RLIMIT_NPROC."""
+    import ctypes
+
+    PR_SET_CHILD_SUBREAPER = 36
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def running_pids(uid: int) -> list[int]:

@@ -40,6 +40,7 @@ from grpokit.errors import CheckpointError, TrainingInterrupted
 from grpokit.models.loading import load_model, reference_copy
 from grpokit.report import write_report
 from grpokit.rewards.registry import (
+    ParallelReward,
     Scores,
     WeightedReward,
     concat_scores,
@@ -478,7 +479,10 @@ def _build_rewards(cfg: GRPOConfig, rewards) -> list[WeightedReward]:
                     raise ValueError("reward task_verifier needs data.task (or rewards[].options.task)")
                 options["task"] = cfg.data.task
             verifier = is_verifier(spec.name) if spec.verifier is None else spec.verifier
-            fn = get(spec.name, **options)
+            if spec.workers:
+                fn = ParallelReward(spec.name, options, spec.workers, spec.timeout_s, spec.error)
+            else:
+                fn = get(spec.name, **options)
             out.append(WeightedReward(spec.name.split(":")[-1], fn, spec.weight, verifier, spec.error))
     if cfg.algo.overlong_penalty and not any(r.name == "overlong" for r in out):
         penalty = get("overlong", max_len=cfg.rollout.max_new_tokens, cache_len=cfg.algo.overlong_cache_len)
