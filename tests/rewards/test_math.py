@@ -157,3 +157,12 @@ def test_a_pathological_answer_is_bounded_by_the_timeout():
     )
     assert got[1] == 1.0 and got[0] == 0.0 and got[2] == 0.0
     assert time.monotonic() - t0 < 30
+
+
+@needs_mv
+def test_deeply_nested_brackets_are_bounded_too():
+    reward = get("math_accuracy", timeout_s=2.0)
+    nested = "(" * 60 + "1" + ")" * 60
+    t0 = time.monotonic()
+    got = reward(["q"] * 2, [rf"\boxed{{{nested}}}", r"\boxed{\sqrt{9}}"], answer=["2", "3"])
+    assert got == [0.0, 1.0] and time.monotonic() - t0 < 30
