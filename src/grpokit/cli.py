@@ -194,9 +194,9 @@ def _model_dir(path: str):
     from grpokit.train.checkpoint import find_checkpoint
 
     p = Path(path)
-    if path == "tiny" or (p / "config.json").is_file():
+    if path == "tiny" or (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
         return path
-    if (p / "final" / "config.json").is_file():
+    if any((p / "final" / name).is_file() for name in ("config.json", "adapter_config.json")):
         return str(p / "final")
     ckpt = find_checkpoint(p, fallback=True)
     if ckpt is None:
@@ -205,7 +205,7 @@ def _model_dir(path: str):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from grpokit.data.datasets import format_prompt, read_jsonl
+    from grpokit.data.datasets import format_prompt, load_rows
     from grpokit.data.tasks import TaskSource
     from grpokit.models.loading import load_model
     from grpokit.rewards.registry import WeightedReward, get, is_verifier
@@ -215,7 +215,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         held = TaskSource(args.task, difficulty=args.difficulty, split="eval", eval_size=args.limit)
         rows = [held.row(i) for i in range(len(held))]
     else:
-        rows = read_jsonl(args.dataset, args.prompt_column)[: args.limit]
+        rows = load_rows(args.dataset, args.prompt_column)[: args.limit]
     if args.answer_column != "answer":
         rows = [{**r, "answer": r.get(args.answer_column)} for r in rows]
     names = args.reward or (["task_verifier"] if args.task else [])
@@ -260,7 +260,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from grpokit.models.loading import load_model
+    from grpokit.models.loading import load_model, merged
     from grpokit.train.checkpoint import find_checkpoint
 
     run_dir, out = Path(args.run_dir), Path(args.out)
@@ -268,7 +268,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise FileExistsError(f"--out {out} already exists; choose a new directory")
     if args.checkpoint:
         src = find_checkpoint(run_dir / "checkpoints" / args.checkpoint) / "model"
-    elif (run_dir / "final" / "config.json").is_file():
+    elif any((run_dir / "final" / name).is_file() for name in ("config.json", "adapter_config.json")):
         src = run_dir / "final"
     else:
         ckpt = find_checkpoint(run_dir, fallback=True)
@@ -276,6 +276,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{run_dir}: no final/ model and no checkpoint to export")
         src = ckpt / "model"
     model, tok = load_model(str(src))
+    model = merged(model)  # LoRA runs: adapters merged into the base, a plain model comes out
     model.save_pretrained(out)
     tok.save_pretrained(out)
     print(f"exported {src} -> {out} (load it with AutoModelForCausalLM.from_pretrained)")

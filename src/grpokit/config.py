@@ -39,19 +39,49 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 
 @dataclass
+class LoraSpec:
+    r: int = _f(16, "LoRA rank.")
+    alpha: float = _f(32.0, "LoRA alpha (the update is scaled by alpha / r).")
+    target_modules: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "Module names to adapt, or ['all-linear'].",
+    )
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str = _f("tiny", "Hugging Face model directory, or 'tiny' for the embedded model.")
     dtype: str = _f("float32", "Parameter dtype: float32 | bfloat16 | float16.")
+    lora: LoraSpec | None = _f(
+        None, "Train LoRA adapters (needs grpokit[peft]); the reference is the adapter-off base."
+    )
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward: less memory, more time.")
 
 
 @dataclass
 class DataConfig:
     task: str | None = _f("addition", "Built-in task (grpokit.data.tasks); null when `path` is set.")
-    path: str | None = _f(None, "JSONL file of training rows (one JSON object per line).")
-    eval_path: str | None = _f(None, "JSONL file of held-out rows for evaluation (train.eval_every).")
-    prompt_column: str = _f("prompt", "Column holding the prompt text.")
+    path: str | None = _f(
+        None, "Training rows: .jsonl, .json, .csv, .parquet, or a local Hugging Face dataset."
+    )
+    split: str = _f("train", "Split of a Hugging Face dataset at `path`.")
+    eval_path: str | None = _f(
+        None, "Held-out rows (same formats) for evaluation before/after and eval_every."
+    )
+    eval_split: str = _f("test", "Split of a Hugging Face dataset at `eval_path`.")
+    prompt_column: str = _f("prompt", "Column holding the prompt: text, or a list of chat messages.")
     answer_column: str = _f("answer", "Column holding the reference answer, passed to rewards as `answer`.")
-    template: str | None = _f(None, "Python format string applied to each row, e.g. 'Q: {prompt}\\nA:'.")
+    template: str | None = _f(None, "Format string applied to each row, e.g. 'Q: {prompt}\\nA:', or 'r1'.")
+    system_prompt: str | None = _f(
+        None, "System prompt (a system message with chat_template, else a first line)."
+    )
+    chat_template: bool = _f(
+        False, "Render prompts with the tokenizer's chat template (add_generation_prompt)."
+    )
+    shuffle: bool = _f(True, "Shuffle the training rows every epoch (seeded by train.seed).")
+    max_prompt_length: int | None = _f(
+        None, "Drop prompts longer than this many tokens (the count is logged)."
+    )
 
 
 @dataclass
@@ -293,12 +323,31 @@ def validate(cfg: GRPOConfig) -> None:
     """Raise ConfigError on the first bad value. Called by GRPOConfig itself."""
     m, d, r, a, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.train
     _check_choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    if m.lora is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise ConfigError("model.lora needs the peft package: pip install 'grpokit[peft]'")
+        _check("model.lora.r", m.lora.r >= 1, m.lora.r, ">= 1")
+        _check("model.lora.alpha", m.lora.alpha > 0, m.lora.alpha, "> 0")
+        _check(
+            "model.lora.target_modules",
+            bool(m.lora.target_modules),
+            m.lora.target_modules,
+            "a non-empty list",
+        )
+        if cfg.algo.ref_sync_every:
+            raise ConfigError(
+                "algo.ref_sync_every cannot be used with model.lora: the reference is the adapter-off base"
+            )
     if d.task is None and d.path is None:
         raise ConfigError("data: set data.task (a built-in task) or data.path (a JSONL file)")
     if d.task is not None and d.path is not None:
         raise ConfigError(
             f"data: set data.task or data.path, not both (got task={d.task!r}, path={d.path!r})"
         )
+    if d.max_prompt_length is not None:
+        _check("data.max_prompt_length", d.max_prompt_length >= 1, d.max_prompt_length, ">= 1 or null")
     if d.task is not None:
         from grpokit.data.tasks import TASKS
 

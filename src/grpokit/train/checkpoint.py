@@ -163,6 +163,13 @@ def _load_weights(model, directory: Path) -> None:
     weights = {}
     for shard in sorted(directory.glob("*.safetensors")):  # one file, or several shards
         weights.update(load_file(shard, device=device))
+    if hasattr(model, "peft_config"):  # a LoRA model saves (and restores) only its adapters
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, weights)
+        if getattr(result, "unexpected_keys", None):
+            raise CheckpointError(f"{directory}: adapter weights do not fit ({result.unexpected_keys[:5]})")
+        return
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")}  # tied embeddings are saved once
     if set(missing) - tied or unexpected:

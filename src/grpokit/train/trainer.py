@@ -34,7 +34,7 @@ import torch
 
 from grpokit.algo import decoupled_advantages, group_advantages, zero_std_groups
 from grpokit.config import GRPOConfig
-from grpokit.data.datasets import RowsSource, check_rows, format_prompt, read_jsonl
+from grpokit.data.datasets import RowsSource, build_prompt, check_rows, load_rows
 from grpokit.data.tasks import TaskSource
 from grpokit.errors import CheckpointError, TrainingInterrupted
 from grpokit.models.loading import load_model, reference_copy
@@ -82,13 +82,22 @@ class GRPOTrainer:
             )
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if model is None:
-            model, tokenizer = load_model(cfg.model.name_or_path, cfg.model.dtype, device)
+            model, tokenizer = load_model(
+                cfg.model.name_or_path,
+                cfg.model.dtype,
+                device,
+                lora=cfg.model.lora,
+                gradient_checkpointing=cfg.model.gradient_checkpointing,
+            )
         if tokenizer is None:
             raise ValueError("a model was given without its tokenizer; pass tokenizer= too")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.device = next(model.parameters()).device
         self.pad_id = pad_token_id(tokenizer)
-        self.ref_model = reference_copy(model) if cfg.algo.beta > 0 else None
+        self.num_filtered_prompts = self._filter_long_prompts()
+        # With LoRA the reference is the base model itself, adapters switched off: no second copy.
+        self.adapter_ref = cfg.algo.beta > 0 and hasattr(model, "disable_adapter")
+        self.ref_model = reference_copy(model) if cfg.algo.beta > 0 and not self.adapter_ref else None
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.generator = torch.Generator(self.device).manual_seed(cfg.train.seed)
@@ -196,9 +205,7 @@ class GRPOTrainer:
         plans = self._plans(batch)
         full_plan = [mb for plan in plans for mb in plan]
         tau = cfg.rollout.temperature
-        ref_logp = (
-            batch_logprobs(self.ref_model, batch, full_plan, self.pad_id, tau) if self.ref_model else None
-        )
+        ref_logp = self._ref_logprobs(batch, full_plan)
         needs_old = cfg.train.mu > 1 or cfg.train.steps_per_generation > 1 or a.kl_placement == "reward"
         old_logp = batch_logprobs(self.model, batch, full_plan, self.pad_id, tau) if needs_old else None
         total_B = scores.total
@@ -214,6 +221,15 @@ class GRPOTrainer:
         metrics = _step_metrics(self.step, rollout, scores, batch.advantages, stats, times)
         metrics.update(num_skipped_steps=self.num_skipped_steps, generation_batches=gen["batches"])
         return metrics, self._sample_rows(prompts_B, rollout, scores, batch.advantages)
+
+    def _ref_logprobs(self, batch: TrainBatch, plan: list[list[int]]) -> torch.Tensor | None:
+        tau = self.cfg.rollout.temperature
+        if self.ref_model is not None:
+            return batch_logprobs(self.ref_model, batch, plan, self.pad_id, tau)
+        if self.adapter_ref:
+            with self.model.disable_adapter():
+                return batch_logprobs(self.model, batch, plan, self.pad_id, tau)
+        return None
 
     def _generate(self) -> tuple[list[str], Rollout, Scores, dict]:
         """Sample and score ``prompts_per_step`` groups. With DAPO's dynamic sampling, keep drawing
@@ -329,6 +345,8 @@ class GRPOTrainer:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
                 self.optimizer.zero_grad(set_to_none=True)
+                # train mode only so HF's gradient checkpointing engages; every dropout is already 0
+                self.model.train(self.cfg.model.gradient_checkpointing)
                 stats = accumulate_policy_gradient(
                     self.model,
                     batch,
@@ -341,6 +359,7 @@ class GRPOTrainer:
                     entropy_top_q=a.entropy_top_q,
                     dump_path=dump if epoch == 0 and k == 0 else None,
                 )
+                self.model.eval()
                 stats["grad_norm"] = float(
                     torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or math.inf)
                 )
@@ -376,12 +395,48 @@ class GRPOTrainer:
     def _next_prompts(self, n: int) -> tuple[list[dict], list[str]]:
         rows = [self.train_source.row(self.rows_consumed + i) for i in range(n)]
         self.rows_consumed += n
+        return rows, [self._prompt(r) for r in rows]
+
+    def _prompt(self, row: dict) -> str:
         d = self.cfg.data
-        return rows, [format_prompt(r, d.prompt_column, d.template) for r in rows]
+        return build_prompt(
+            row,
+            self.tokenizer,
+            prompt_column=d.prompt_column,
+            template=d.template,
+            system_prompt=d.system_prompt,
+            chat_template=d.chat_template,
+        )
+
+    def _filter_long_prompts(self) -> int:
+        """Drop rows whose prompt is longer than ``data.max_prompt_length`` tokens; return how many."""
+        limit = self.cfg.data.max_prompt_length
+        if limit is None:
+            return 0
+
+        def short(row: dict) -> bool:
+            return len(self.tokenizer(self._prompt(row))["input_ids"]) <= limit
+
+        dropped = 0
+        if isinstance(self.train_source, RowsSource):
+            kept = [r for r in self.train_source.rows if short(r)]
+            dropped += len(self.train_source.rows) - len(kept)
+            if not kept:
+                raise ValueError(f"data.max_prompt_length={limit} drops every training prompt; raise it")
+            self.train_source = RowsSource(kept, seed=self.cfg.train.seed, shuffle=self.cfg.data.shuffle)
+        kept_eval = [r for r in self.eval_rows if short(r)]
+        dropped += len(self.eval_rows) - len(kept_eval)
+        self.eval_rows = kept_eval
+        if dropped:
+            print(
+                f"grpokit: dropped {dropped} prompts longer than data.max_prompt_length={limit} tokens",
+                flush=True,
+            )
+        return dropped
 
     def _evaluate(self) -> dict:
         d, rows = self.cfg.data, self.eval_rows[: self.cfg.train.eval_max_prompts]
-        prompts = [format_prompt(r, d.prompt_column, d.template) for r in rows]
+        prompts = [self._prompt(r) for r in rows]
         return evaluate(
             self.model,
             self.tokenizer,
@@ -423,6 +478,7 @@ class GRPOTrainer:
             "wall_time_s": round(wall, 3),
             "world_size": 1,
             "num_skipped_steps": self.num_skipped_steps,
+            "num_filtered_prompts": self.num_filtered_prompts,
             "final_step_metrics": last,
         }
         if self.cfg.data.task is not None:
@@ -444,16 +500,16 @@ def _build_data(cfg: GRPOConfig, dataset, eval_dataset) -> tuple:
     if dataset is not None:
         rows = list(dataset)
         check_rows(rows, d.prompt_column)
-        train = RowsSource(rows, seed=seed)
+        train = RowsSource(rows, seed=seed, shuffle=d.shuffle)
     elif d.task is not None:
         train = TaskSource(d.task, seed=seed)
     else:
-        train = RowsSource(read_jsonl(d.path, d.prompt_column), seed=seed)
+        train = RowsSource(load_rows(d.path, d.prompt_column, d.split), seed=seed, shuffle=d.shuffle)
     if eval_dataset is not None:
         eval_rows = list(eval_dataset)
         check_rows(eval_rows, d.prompt_column, "eval dataset")
     elif d.eval_path is not None:
-        eval_rows = read_jsonl(d.eval_path, d.prompt_column)
+        eval_rows = load_rows(d.eval_path, d.prompt_column, d.eval_split)
     elif d.task is not None and dataset is None:
         source = TaskSource(d.task, split="eval")
         eval_rows = [source.row(i) for i in range(len(source))]
