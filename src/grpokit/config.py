@@ -255,6 +255,25 @@ class LoggingConfig:
 
 
 @dataclass
+class MonitorConfig:
+    enabled: bool = _f(True, "Watch every run for reward-hacking signatures (docs/diagnostics.md).")
+    stop_on_hacking: bool = _f(False, "Stop the run (after saving a checkpoint) at the first alert.")
+    window: int = _f(20, "Steps over which trends are measured.")
+    proxy_rise: float = _f(0.1, "Alert when the reward rises at least this much over the window ...")
+    verifier_stall: float = _f(0.02, "... while verifier accuracy moves at most this much.")
+    kl_max: float = _f(1.0, "Alert when the KL to the reference exceeds this.")
+    kl_rate: float = _f(0.02, "Alert when the KL's slope over the window exceeds this per step.")
+    length_drift: float = _f(2.0, "Alert when completion length moves beyond this factor of its start.")
+    zero_std_max: float = _f(
+        0.9, "Alert when this fraction of groups has all-equal rewards for a whole window."
+    )
+    ngram: int = _f(4, "Word n-gram length for the phrase-spread check.")
+    ngram_share: float = _f(
+        0.5, "Alert when one n-gram appears in more than this share of a step's completions."
+    )
+
+
+@dataclass
 class RewardSpec:
     name: str = _f("task_verifier", "Registered reward name, or 'module.path:function'.")
     weight: float = _f(1.0, "Weight in the summed reward.")
@@ -282,6 +301,7 @@ class GRPOConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     rewards: list[RewardSpec] = field(
         default_factory=lambda: [RewardSpec()], metadata={"help": "Reward functions, summed with weights."}
     )
@@ -440,6 +460,13 @@ def validate(cfg: GRPOConfig) -> None:
             raise ConfigError(
                 "logging.tensorboard: true needs the tensorboard package: pip install 'grpokit[tensorboard]'"
             )
+    mo = cfg.monitor
+    _check("monitor.window", mo.window >= 2, mo.window, ">= 2")
+    _check("monitor.kl_max", mo.kl_max > 0, mo.kl_max, "> 0")
+    _check("monitor.length_drift", mo.length_drift > 1, mo.length_drift, "> 1")
+    _check("monitor.zero_std_max", 0 < mo.zero_std_max <= 1, mo.zero_std_max, "in (0, 1]")
+    _check("monitor.ngram", mo.ngram >= 1, mo.ngram, ">= 1")
+    _check("monitor.ngram_share", 0 < mo.ngram_share <= 1, mo.ngram_share, "in (0, 1]")
     if not cfg.rewards:
         raise ConfigError("rewards: at least one reward is needed, e.g. [{name: task_verifier}]")
     for i, spec in enumerate(cfg.rewards):

@@ -36,6 +36,7 @@ from grpokit.algo import decoupled_advantages, group_advantages, zero_std_groups
 from grpokit.config import GRPOConfig
 from grpokit.data.datasets import RowsSource, build_prompt, check_rows, load_rows
 from grpokit.data.tasks import TaskSource
+from grpokit.diagnostics.hacking import HackingMonitor
 from grpokit.errors import CheckpointError, TrainingInterrupted
 from grpokit.models.loading import load_model, reference_copy
 from grpokit.report import write_report
@@ -104,6 +105,9 @@ class GRPOTrainer:
         r = cfg.rollout
         self.sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop))
         self.step, self.rows_consumed, self.num_skipped_steps = 0, 0, 0
+        self.monitor = HackingMonitor(cfg.monitor) if cfg.monitor.enabled else None
+        self._last_completions: list[str] = []
+        self.stop_reason: str | None = None
         self.run_dir = Path(cfg.train.output_dir)
 
     # ---------------------------------------------------------------------------------------
@@ -135,6 +139,7 @@ class GRPOTrainer:
                 while self.step < cfg.train.max_steps:
                     self.step += 1
                     last, samples = self.train_step()
+                    stop_reason = self._watch(last, logger)
                     if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                         ev = self._evaluate()
                         last.update(eval_reward_mean=ev["reward_mean"], eval_accuracy=ev["accuracy"])
@@ -144,10 +149,14 @@ class GRPOTrainer:
                     due = cfg.train.save_every and (
                         self.step % cfg.train.save_every == 0 or self.step == cfg.train.max_steps
                     )
-                    if due or stop.signum is not None:  # a signal saves even with save_every = 0
+                    if due or stop.signum is not None or stop_reason:  # these save even with save_every = 0
                         ckpt = self._save(before, wall)
                         if stop.signum is not None:
                             raise TrainingInterrupted(self.step, stop.signum, ckpt, self.run_dir)
+                    if stop_reason:
+                        logger.print(f"grpokit: stopping after step {self.step}: {stop_reason}")
+                        self.stop_reason = stop_reason
+                        break
             finally:
                 logger.close()
         after = self._evaluate() if self.eval_rows else None
@@ -220,7 +229,20 @@ class GRPOTrainer:
         times = (t0, t0 + gen["time_sampling_s"], t1, t2, t3)
         metrics = _step_metrics(self.step, rollout, scores, batch.advantages, stats, times)
         metrics.update(num_skipped_steps=self.num_skipped_steps, generation_batches=gen["batches"])
+        self._last_completions = rollout.completions
         return metrics, self._sample_rows(prompts_B, rollout, scores, batch.advantages)
+
+    def _watch(self, metrics: dict, logger: RunLogger) -> str | None:
+        """Feed the hacking monitor; log its alerts; return a reason to stop (``stop_on_hacking``)."""
+        if self.monitor is None:
+            return None
+        alerts = self.monitor.observe(self.step, metrics, self._last_completions)
+        metrics["hacking_alerts"] = [a.kind for a in alerts]
+        for a in alerts:
+            logger.print(f"[hacking monitor] step {a.step}: {a.kind}: {a.message}")
+        if alerts and self.cfg.monitor.stop_on_hacking:
+            return f"monitor.stop_on_hacking and the alert {alerts[0].kind!r}"
+        return None
 
     def _ref_logprobs(self, batch: TrainBatch, plan: list[list[int]]) -> torch.Tensor | None:
         tau = self.cfg.rollout.temperature
@@ -479,6 +501,8 @@ class GRPOTrainer:
             "world_size": 1,
             "num_skipped_steps": self.num_skipped_steps,
             "num_filtered_prompts": self.num_filtered_prompts,
+            "alerts": [] if self.monitor is None else [vars(a) for a in self.monitor.alerts],
+            "stopped_early": self.stop_reason,
             "final_step_metrics": last,
         }
         if self.cfg.data.task is not None:

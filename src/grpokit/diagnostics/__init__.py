@@ -1,0 +1,1 @@
+"""Diagnostics: the live reward-hacking monitor and the hacking lab."""
