@@ -16,12 +16,6 @@ def test_version():
     assert out.returncode == 0 and out.stdout.strip() == f"grpokit {__version__}"
 
 
-@pytest.mark.parametrize("command", ["lab"])
-def test_unbuilt_commands_say_not_yet_and_fail(command, capsys):
-    assert main([command]) == 2
-    assert "not yet available" in capsys.readouterr().err
-
-
 def test_train_from_the_command_line(tmp_path, tiny_dir):
     out = tmp_path / "run"
     argv = [

@@ -1,9 +1,7 @@
 """The ``grpokit`` command line: ``grpokit train | demo | eval | report | export | lab``.
 
 Each subcommand is a thin wrapper over the Python API; this file parses arguments and reports
-errors as one clear line (exit code 2 for a bad configuration), nothing else. Subcommands whose
-issue has not landed yet say so plainly and exit non-zero rather than print anything that looks
-like training output.
+errors as one clear line (exit code 2 for a bad configuration), nothing else.
 """
 
 from __future__ import annotations
@@ -17,11 +15,6 @@ import time
 import grpokit
 from grpokit.config import ConfigError, load_config
 from grpokit.errors import CheckpointError, TrainingInterrupted
-
-# Subcommands of DESIGN.md that are not built yet, and the issue that builds each.
-_NOT_YET = {
-    "lab": "the reward-hacking lab (issue #11)",
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,9 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write report.html for a run directory")
     report.add_argument("run_dir", help="a grpokit run directory")
 
-    for name, what in _NOT_YET.items():
-        p = sub.add_parser(name, help=f"(not yet available: {what})")
-        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    lab = sub.add_parser("lab", help="built-in experiments: `grpokit lab hacking`")
+    lab.add_argument("experiment", choices=["hacking"], help="hacking: GRPO on a deliberately flawed reward")
+    lab.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (default 0 1 2)")
+    lab.add_argument("--steps", type=int, default=150, help="GRPO steps per run (default 150)")
+    lab.add_argument("--eval-prompts", type=int, default=200, help="held-out problems per evaluation")
+    lab.add_argument("--output-dir", default="runs/lab-hacking", help="where summary.json and report.html go")
+    lab.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a training option of every run",
+    )
+
     return parser
 
 
@@ -283,6 +288,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lab(args: argparse.Namespace) -> int:
+    from grpokit.diagnostics.lab import run_lab
+
+    summary = run_lab(args.output_dir, args.seeds, args.steps, args.eval_prompts, overrides=args.overrides)
+    for arm, a in summary["arms"].items():
+        m = a["mean"]
+        print(
+            f"{arm:15s} exploit {m['exploit_rate']:.2f}  true acc {m['true_accuracy']:.2f}  "
+            f"proxy {m['proxy_reward']:.2f}  KL {m['mean_kl']:.3f}"
+        )
+    for f in summary["findings"]:
+        print(f"{'holds' if f['holds'] else 'DOES NOT HOLD'}: {f['claim']} ({f['evidence']})")
+    print(f"{summary['wall_time_s']} s; report: {args.output_dir}/report.html")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from grpokit.report import write_report
 
@@ -296,12 +317,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if args.command in _NOT_YET:
-        print(
-            f"grpokit {args.command}: not yet available -- it arrives with {_NOT_YET[args.command]}.",
-            file=sys.stderr,
-        )
-        return 2
     try:
         commands = {
             "train": cmd_train,
@@ -309,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             "eval": cmd_eval,
             "export": cmd_export,
             "report": cmd_report,
+            "lab": cmd_lab,
         }
         return commands[args.command](args)
     except ConfigError as e:

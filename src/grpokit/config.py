@@ -100,7 +100,9 @@ class RolloutConfig:
 @dataclass
 class AlgoConfig:
     # Fields left null are filled from the `algorithm` preset (PRESETS below).
-    estimator: str | None = _f(None, "Advantage baseline: grpo | dr_grpo | rloo (null: from `algorithm`).")
+    estimator: str | None = _f(
+        None, "Advantage baseline: grpo | dr_grpo | rloo | reinforce (no baseline) (null: from `algorithm`)."
+    )
     scale: str | None = _f(None, "Advantage divisor: group | batch | none (null: from `algorithm`).")
     eps: float | None = _f(None, "Added to the std before dividing (null: from `algorithm`).")
     aggregation: str | None = _f(
@@ -233,6 +235,9 @@ class TrainConfig:
     max_grad_norm: float = _f(1.0, "Clip the gradient's global norm to this; 0 disables.")
     seed: int = _f(0, "Seed of every random stream of the run.")
     eval_every: int = _f(0, "Evaluate on the held-out set every N steps (and at the end); 0 disables.")
+    track_kl: bool = _f(
+        False, "Load the reference even with beta = 0, to report the KL (costs a model copy)."
+    )
     eval_max_prompts: int = _f(500, "Held-out prompts used per evaluation (greedy pass@1).")
     log_samples: int = _f(4, "Completions per step written to samples.jsonl.")
     dump_tensors: bool = _f(
@@ -382,7 +387,7 @@ def validate(cfg: GRPOConfig) -> None:
         "rollout.stop", all(isinstance(s, str) and s for s in r.stop), r.stop, "a list of non-empty strings"
     )
 
-    _check_choice("algo.estimator", a.estimator, ("grpo", "dr_grpo", "rloo"))
+    _check_choice("algo.estimator", a.estimator, ("grpo", "dr_grpo", "rloo", "reinforce"))
     _check_choice("algo.scale", a.scale, ("group", "batch", "none"))
     if a.estimator == "dr_grpo" and a.scale != "none":
         raise ConfigError(f"algo.scale: dr_grpo means no std scaling, got {a.scale!r}; use none")

@@ -149,3 +149,11 @@ def test_decoupled_keeps_apart_what_sum_then_normalize_collapses():
     assert torch.equal(decoupled_advantages(torch.ones(2, 8), [1.0, 1.0], 4), torch.zeros(8))
     with pytest.raises(ValueError, match=r"\[K, B\]"):
         decoupled_advantages(torch.ones(8), [1.0], 4)
+
+
+def test_reinforce_has_no_baseline():
+    r = torch.tensor([1.0, 0.0, 0.7, 0.7])
+    torch.testing.assert_close(group_advantages(r, 2, estimator="reinforce"), r)  # ties are not zeroed
+    torch.testing.assert_close(
+        group_advantages(r, 2, estimator="reinforce", scale="batch", eps=0.0), r / r.std()
+    )

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce")
 SCALES = ("group", "batch", "none")
 
 # The scale each estimator uses when the caller does not choose one (scale=None).
-_DEFAULT_SCALE = {"grpo": "group", "dr_grpo": "none", "rloo": "none"}
+_DEFAULT_SCALE = {"grpo": "group", "dr_grpo": "none", "rloo": "none", "reinforce": "none"}
 
 # Ties are detected on the rewards themselves, not on the std, because float32 means leave
 # residuals: twelve rewards of 0.7 give r - mean of about 6e-8, and (r - mean) / (std + eps)
@@ -46,6 +46,9 @@ def group_advantages(
       dividing by the std is exactly the question-level difficulty bias that paper removes.
     - ``"rloo"`` (REINFORCE Leave-One-Out, Ahmadian et al. 2024, arXiv:2402.14740):
       :math:`A_i = r_i - \frac{1}{G-1}\sum_{j \ne i} r_j = \frac{G}{G-1}(r_i - \mathrm{mean}(r))`.
+    - ``"reinforce"`` (Williams 1992, no baseline): :math:`A_i = r_i`. Not a GRPO method: the
+      baseline-free control of the hacking lab (``grpokit lab hacking``), where group
+      normalisation's effect is measured against it. Tied groups are *not* zeroed here.
 
     Divisor (``scale``):
 
@@ -77,6 +80,8 @@ def group_advantages(
     scale = _DEFAULT_SCALE[estimator] if scale is None else scale
 
     r_NG = rewards.to(torch.float64).reshape(-1, group_size)
+    if estimator == "reinforce":  # no baseline at all: every reward is its own advantage
+        return _scaled(r_NG, scale, eps).reshape(-1).to(rewards.dtype)
     mean_N1 = r_NG.mean(dim=1, keepdim=True)
     centered_NG = r_NG - mean_N1
     if estimator == "rloo":
@@ -94,6 +99,14 @@ def group_advantages(
     tol_N1 = TIE_RTOL * r_NG.abs().amax(dim=1, keepdim=True).clamp(min=1.0)
     adv_NG = torch.where(spread_N1 <= tol_N1, torch.zeros_like(adv_NG), adv_NG)
     return adv_NG.reshape(-1).to(rewards.dtype)
+
+
+def _scaled(x_NG: torch.Tensor, scale: str, eps: float) -> torch.Tensor:
+    if scale == "group":
+        return x_NG / (x_NG.std(dim=1, keepdim=True) + eps)
+    if scale == "batch":
+        return x_NG / (x_NG.std() + eps)
+    return x_NG
 
 
 def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

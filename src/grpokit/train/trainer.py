@@ -97,8 +97,9 @@ class GRPOTrainer:
         self.pad_id = pad_token_id(tokenizer)
         self.num_filtered_prompts = self._filter_long_prompts()
         # With LoRA the reference is the base model itself, adapters switched off: no second copy.
-        self.adapter_ref = cfg.algo.beta > 0 and hasattr(model, "disable_adapter")
-        self.ref_model = reference_copy(model) if cfg.algo.beta > 0 and not self.adapter_ref else None
+        wants_ref = cfg.algo.beta > 0 or cfg.train.track_kl
+        self.adapter_ref = wants_ref and hasattr(model, "disable_adapter")
+        self.ref_model = reference_copy(model) if wants_ref and not self.adapter_ref else None
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.generator = torch.Generator(self.device).manual_seed(cfg.train.seed)
