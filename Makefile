@@ -40,8 +40,11 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format src tests benchmarks scripts
 	$(VENV)/bin/ruff check --fix src tests benchmarks scripts
 
-bench: $(STAMP)
+bench: $(STAMP) sysdeps
 	$(PY) benchmarks/bench_logprobs.py
+	$(PY) benchmarks/bench_demo.py
+	$(PY) benchmarks/bench_sandbox.py
+	$(PY) benchmarks/bench_memory.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -468,6 +468,9 @@ def validate(cfg: GRPOConfig) -> None:
     mo = cfg.monitor
     _check("monitor.window", mo.window >= 2, mo.window, ">= 2")
     _check("monitor.kl_max", mo.kl_max > 0, mo.kl_max, "> 0")
+    _check("monitor.kl_rate", mo.kl_rate > 0, mo.kl_rate, "> 0")
+    _check("monitor.proxy_rise", mo.proxy_rise > 0, mo.proxy_rise, "> 0")
+    _check("monitor.verifier_stall", mo.verifier_stall >= 0, mo.verifier_stall, ">= 0")
     _check("monitor.length_drift", mo.length_drift > 1, mo.length_drift, "> 1")
     _check("monitor.zero_std_max", 0 < mo.zero_std_max <= 1, mo.zero_std_max, "in (0, 1]")
     _check("monitor.ngram", mo.ngram >= 1, mo.ngram, ">= 1")

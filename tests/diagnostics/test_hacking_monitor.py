@@ -152,6 +152,8 @@ def test_in_a_run_alerts_are_logged_and_stop_on_hacking_stops(tmp_path, tiny_dir
     [
         ("monitor.window=1", "monitor.window: must be >= 2"),
         ("monitor.length_drift=0.5", "monitor.length_drift: must be > 1"),
+        ("monitor.kl_rate=-1", "monitor.kl_rate: must be > 0"),
+        ("monitor.proxy_rise=0", "monitor.proxy_rise: must be > 0"),
     ],
 )
 def test_monitor_options_are_validated(override, message):

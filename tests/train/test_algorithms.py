@@ -13,10 +13,7 @@ from grpokit.rewards.format import overlong_penalty
 from grpokit.rewards.registry import Scores, WeightedReward
 from grpokit.train.trainer import GRPOTrainer
 from tests.algo import reference as ref
-
-
-def varied(prompts, completions, **_):
-    return [float(len(c) % 3) for c in completions]
+from tests.helpers import varied
 
 
 def parity(prompts, completions, **_):

@@ -15,10 +15,7 @@ from grpokit.models.loading import load_model
 from grpokit.rollout.sampler import SamplingParams, sample
 from grpokit.train.batch import TrainBatch, accumulate_policy_gradient, batch_logprobs, plan_micro_batches
 from grpokit.train.trainer import GRPOTrainer
-
-
-def varied(prompts, completions, **_):
-    return [float(len(c) % 3) for c in completions]
+from tests.helpers import varied
 
 
 def make(tmp_path, tiny_dir, name="run", **sets):
