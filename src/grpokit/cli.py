@@ -221,8 +221,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         rows = [held.row(i) for i in range(len(held))]
     else:
         rows = load_rows(args.dataset, args.prompt_column)[: args.limit]
-    if args.answer_column != "answer":
-        rows = [{**r, "answer": r.get(args.answer_column)} for r in rows]
     names = args.reward or (["task_verifier"] if args.task else [])
     if not names:
         raise ValueError("--dataset needs at least one --reward (e.g. a 'module:function' verifier)")
@@ -233,7 +231,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     prompts = [format_prompt(r, args.prompt_column, args.template) for r in rows]
     model_dir = _model_dir(args.model)
     model, tok = load_model(model_dir)
-    greedy = evaluate(model, tok, rows, prompts, rewards, max_new_tokens=args.max_new_tokens)
+    columns = dict(prompt_column=args.prompt_column, answer_column=args.answer_column)
+    greedy = evaluate(model, tok, rows, prompts, rewards, max_new_tokens=args.max_new_tokens, **columns)
     result = {
         "model": model_dir,
         "task": args.task,
@@ -253,6 +252,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             max_new_tokens=args.max_new_tokens,
             seed=args.seed,
+            **columns,
         )
     text = json.dumps(result, indent=2)
     print(text)

@@ -32,8 +32,12 @@ def evaluate(
     stop: tuple[str, ...] = (),
     batch_size: int = 64,
     prompt_column: str = "prompt",
+    answer_column: str = "answer",
 ) -> dict:
     """Greedy pass@1 over ``prompts`` (with their dataset ``rows`` as reward columns).
+
+    ``prompt_column`` / ``answer_column`` name the dataset columns (the answer reaches the rewards
+    as ``answer``, as in training).
 
     Returns ``{"reward_mean", "accuracy" (None without a verifier), "num_prompts", "examples"}``;
     ``examples`` holds the first five prompts with their completion, reward and ``answer`` column.
@@ -43,7 +47,7 @@ def evaluate(
     for s in range(0, len(prompts), batch_size):
         chunk_rows, chunk_prompts = rows[s : s + batch_size], prompts[s : s + batch_size]
         rollout = sample(model, tokenizer, chunk_prompts, 1, params)
-        columns = reward_columns(chunk_rows, 1, prompt_column)
+        columns = reward_columns(chunk_rows, 1, prompt_column, answer_column)
         scores = score(rewards, chunk_prompts, rollout.completions, columns, rollout.completion_token_lists())
         totals.append(scores.total)
         if scores.verifier is not None:
@@ -52,7 +56,7 @@ def evaluate(
             chunk_rows, chunk_prompts, rollout.completions, scores.total.tolist(), strict=True
         ):
             if len(examples) < 5:
-                examples.append({"prompt": p, "completion": c, "reward": r, "answer": row.get("answer")})
+                examples.append({"prompt": p, "completion": c, "reward": r, "answer": row.get(answer_column)})
     accuracy = float(torch.cat(verified).nanmean()) if verified else None
     return {
         "reward_mean": float(torch.cat(totals).mean()),
@@ -96,6 +100,7 @@ def evaluate_sampled(
     seed: int = 0,
     batch_prompts: int = 16,
     prompt_column: str = "prompt",
+    answer_column: str = "answer",
 ) -> dict:
     """pass@k (unbiased, from n samples per prompt) and maj@k (majority vote over the first k samples,
     answers compared after stripping whitespace), judged by the verifier rewards.
@@ -115,7 +120,7 @@ def evaluate_sampled(
     for s in range(0, len(prompts), batch_prompts):
         chunk_rows, chunk_prompts = rows[s : s + batch_prompts], prompts[s : s + batch_prompts]
         rollout = sample(model, tokenizer, chunk_prompts, n, params, generator)
-        columns = reward_columns(chunk_rows, n, prompt_column)
+        columns = reward_columns(chunk_rows, n, prompt_column, answer_column)
         prompts_n = [p for p in chunk_prompts for _ in range(n)]
         scores = score(rewards, prompts_n, rollout.completions, columns, rollout.completion_token_lists())
         totals.append(scores.total)

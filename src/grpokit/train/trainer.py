@@ -463,12 +463,13 @@ class GRPOTrainer:
         return evaluate(
             self.model,
             self.tokenizer,
-            _with_answer(rows, d.answer_column),
+            rows,
             prompts,
             self.rewards,
             max_new_tokens=self.cfg.rollout.max_new_tokens,
             stop=tuple(self.cfg.rollout.stop),
             prompt_column=d.prompt_column,
+            answer_column=d.answer_column,
         )
 
     def _sample_rows(self, prompts_B: list[str], rollout: Rollout, scores, adv_B: torch.Tensor) -> list[dict]:
@@ -579,12 +580,6 @@ def _unique_names(rewards: list[WeightedReward]) -> list[WeightedReward]:
         if seen[r.name] > 1:
             r.name = f"{r.name}_{seen[r.name]}"
     return rewards
-
-
-def _with_answer(rows: list[dict], answer_column: str) -> list[dict]:
-    if answer_column == "answer":
-        return rows
-    return [{**r, "answer": r[answer_column]} if answer_column in r else r for r in rows]
 
 
 def _step_metrics(step: int, rollout: Rollout, scores, adv_B: torch.Tensor, stats: dict, times) -> dict:
