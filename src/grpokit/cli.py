@@ -124,6 +124,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from grpokit.train.distributed import shutdown
     from grpokit.train.trainer import GRPOTrainer
 
     config, overrides = args.config, _overrides(args)
@@ -137,8 +138,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = run_dir / "config.yaml"
         overrides = [f"train.output_dir={json.dumps(str(run_dir))}", *overrides]
     cfg = load_config(config, overrides)
-    summary = GRPOTrainer(cfg).train(resume=args.resume)
-    print(f"done: {summary['steps']} steps in {summary['wall_time_s']:.1f} s -> {cfg.train.output_dir}")
+    trainer = GRPOTrainer(cfg)
+    summary = trainer.train(resume=args.resume)
+    shutdown(trainer.dist)
+    if trainer.dist.is_main:
+        print(f"done: {summary['steps']} steps in {summary['wall_time_s']:.1f} s -> {cfg.train.output_dir}")
     return 0
 
 
@@ -146,22 +150,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from grpokit.train.distributed import init_distributed, shutdown
     from grpokit.train.trainer import GRPOTrainer
 
     overrides = [f"data.task={args.task}"] if args.task else []
     overrides += [f"train.max_steps={args.steps}"] if args.steps is not None else []
     overrides += [f"train.seed={args.seed}"] if args.seed is not None else []
+    d = init_distributed()  # under torchrun: every rank must agree on the run directory's name
     if not args.output_dir:
-        overrides.append(f"train.output_dir=runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+        overrides.append(f"train.output_dir=runs/demo-{d.broadcast(time.strftime('%Y%m%d-%H%M%S'))}")
     cfg = load_config("demo", overrides + _overrides(args))
-    console = Console()
+    console = Console(quiet=not d.is_main)
     console.print(
         f"[bold]grpokit demo[/]: GRPO on the embedded tiny model, task [cyan]{cfg.data.task}[/], "
         f"{cfg.train.max_steps} steps x {cfg.train.prompts_per_step} prompts "
         f"x {cfg.rollout.group_size} samples, "
         f"held-out greedy accuracy on {cfg.train.eval_max_prompts} problems before and after."
     )
-    summary = GRPOTrainer(cfg).train()
+    trainer = GRPOTrainer(cfg)
+    summary = trainer.train()
+    shutdown(trainer.dist)
 
     table = Table(
         title=f"held-out accuracy, task {cfg.data.task} (greedy, {cfg.train.eval_max_prompts} problems)"

@@ -86,7 +86,10 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = _f("builtin", "Generation engine: builtin (KV-cached sampler in grpokit.rollout).")
+    engine: str = _f(
+        "builtin",
+        "Generation engine: builtin (KV-cached sampler, any device) | vllm (GPU, needs grpokit[vllm]).",
+    )
     group_size: int = _f(8, "G: completions sampled per prompt (>= 2).")
     max_new_tokens: int = _f(32, "Longest completion, in tokens; longer ones are truncated.")
     temperature: float = _f(
@@ -95,6 +98,12 @@ class RolloutConfig:
     top_p: float = _f(1.0, "Nucleus sampling: keep the smallest token set with this probability mass (0, 1].")
     top_k: int = _f(0, "Keep only the k most likely tokens; 0 disables.")
     stop: list[str] = _f([], "Stop strings: a completion ends after the token that completes one.")
+    vllm_gpu_memory_utilization: float = _f(
+        0.3, "engine vllm: share of the GPU's memory vLLM may take (weights + KV cache), in (0, 1)."
+    )
+    vllm_sleep: bool = _f(
+        True, "engine vllm: free vLLM's KV cache (sleep mode) while the trainer runs its update."
+    )
 
 
 @dataclass
@@ -279,6 +288,16 @@ class MonitorConfig:
 
 
 @dataclass
+class DistributedConfig:
+    strategy: str = _f(
+        "ddp",
+        "Under torchrun: ddp (gradients averaged) | fsdp (FSDP2 fully_shard: parameters, gradients "
+        "and optimizer state sharded). Ignored in a single process.",
+    )
+    backend: str = _f("auto", "Process-group backend: auto (nccl with CUDA, else gloo) | nccl | gloo.")
+
+
+@dataclass
 class RewardSpec:
     name: str = _f("task_verifier", "Registered reward name, or 'module.path:function'.")
     weight: float = _f(1.0, "Weight in the summed reward.")
@@ -307,6 +326,7 @@ class GRPOConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     rewards: list[RewardSpec] = field(
         default_factory=lambda: [RewardSpec()], metadata={"help": "Reward functions, summed with weights."}
     )
@@ -377,7 +397,17 @@ def validate(cfg: GRPOConfig) -> None:
         from grpokit.data.tasks import TASKS
 
         _check_choice("data.task", d.task, tuple(TASKS))
-    _check_choice("rollout.engine", r.engine, ("builtin",))
+    _check_choice("rollout.engine", r.engine, ("builtin", "vllm"))
+    _check(
+        "rollout.vllm_gpu_memory_utilization",
+        0 < r.vllm_gpu_memory_utilization < 1,
+        r.vllm_gpu_memory_utilization,
+        "in (0, 1)",
+    )
+    if r.engine == "vllm":
+        from grpokit.rollout.vllm_engine import check_available
+
+        check_available()  # raises ConfigError naming what is missing: the package or a GPU
     _check("rollout.group_size", r.group_size >= 2, r.group_size, "an int >= 2 (GRPO compares within groups)")
     _check("rollout.max_new_tokens", r.max_new_tokens >= 1, r.max_new_tokens, ">= 1")
     _check("rollout.temperature", r.temperature > 0, r.temperature, "> 0")
@@ -465,6 +495,13 @@ def validate(cfg: GRPOConfig) -> None:
             raise ConfigError(
                 "logging.tensorboard: true needs the tensorboard package: pip install 'grpokit[tensorboard]'"
             )
+    _check_choice("distributed.strategy", cfg.distributed.strategy, ("ddp", "fsdp"))
+    _check_choice("distributed.backend", cfg.distributed.backend, ("auto", "nccl", "gloo"))
+    if cfg.distributed.strategy == "fsdp" and m.lora is not None:
+        raise ConfigError(
+            "distributed.strategy=fsdp does not support model.lora yet (the reference is the adapter-off "
+            "base, which FSDP would have to unshard twice per pass); use distributed.strategy=ddp for LoRA"
+        )
     mo = cfg.monitor
     _check("monitor.window", mo.window >= 2, mo.window, ">= 2")
     _check("monitor.kl_max", mo.kl_max > 0, mo.kl_max, "> 0")

@@ -166,3 +166,31 @@ def test_prompt_runs_once_per_group(peaky, monkeypatch):
     )
     assert seen[0] == (2, 6)  # the prompt pass: 2 prompts, not 16 rows
     assert all(s[1] == 1 for s in seen[1:])  # then one token per step
+
+
+def test_a_shard_samples_what_the_whole_batch_samples_for_its_rows(peaky):
+    # data parallelism: rank r samples rows [offset, offset + B_r) of the global batch from the same
+    # generator state, and must get exactly the completions one process gets for those rows
+    model, tok = peaky
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    prompts = ["1+1=", "22+3=", "4-4=", "7+10="]  # different lengths: different left padding per shard
+    whole = sample(model, tok, prompts, 3, params, torch.Generator().manual_seed(11))
+    for offset_prompts, shard in ((0, prompts[:2]), (2, prompts[2:]), (3, prompts[3:])):
+        g = torch.Generator().manual_seed(11)
+        part = sample(model, tok, shard, 3, params, g, row_offset=offset_prompts * 3, num_rows_total=12)
+        rows = slice(offset_prompts * 3, offset_prompts * 3 + len(shard) * 3)
+        assert part.completions == whole.completions[rows]
+        # the generator advanced by the whole batch's draw on every shard
+        assert torch.equal(g.get_state(), _advanced(11, 8, 12).get_state())
+
+
+def _advanced(seed: int, steps: int, rows: int) -> torch.Generator:
+    g = torch.Generator().manual_seed(seed)
+    torch.rand((steps, rows), generator=g)
+    return g
+
+
+def test_shard_outside_the_batch_is_refused(peaky):
+    model, tok = peaky
+    with pytest.raises(ValueError, match="do not fit"):
+        sample(model, tok, ["1+1="], 4, SamplingParams(max_new_tokens=2), row_offset=2, num_rows_total=4)

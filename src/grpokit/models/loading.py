@@ -114,7 +114,8 @@ _ACCEPTS: dict[tuple[type, str], bool] = {}
 def accepts_kwarg(model, name: str) -> bool:
     """Does ``model.forward`` take keyword ``name``? (``logits_to_keep``, ``cache`` vs ``past_key_values``
     differ across transformers versions and architectures.) Cached per model class."""
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft forwards **kwargs
+    target = getattr(model, "module", model)  # under a DistributedDataParallel wrapper
+    target = target.get_base_model() if hasattr(target, "get_base_model") else target  # peft: **kwargs
     key = (type(target), name)
     if key not in _ACCEPTS:
         _ACCEPTS[key] = name in inspect.signature(target.forward).parameters

@@ -7,6 +7,12 @@ finished are dropped from the batch (and from the cache), so a group of mostly s
 does not pay for its longest one. Seeded through an explicit ``torch.Generator``: same seed,
 same completions.
 
+Each token is drawn by inverse-CDF sampling from one uniform number per row and position, and the
+uniforms of a whole (global) batch are drawn up front as one ``[max_new_tokens, num_rows_total]``
+block. A row's completion therefore depends only on its own uniforms, not on which other rows
+share its batch: under data parallelism (``row_offset``) each rank samples exactly the completions
+a single process would have sampled for the same rows, and every rank's generator stays in step.
+
 What it deliberately does not do: compute training log-probs (the trainer recomputes them with
 gradients), beam search, or speculative decoding. ``vllm_engine`` is the fast path on GPUs.
 
@@ -124,6 +130,9 @@ def sample(
     group_size: int,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    *,
+    row_offset: int = 0,
+    num_rows_total: int | None = None,
 ) -> Rollout:
     """Sample ``group_size`` completions for each prompt.
 
@@ -134,6 +143,9 @@ def sample(
         group_size: G >= 1.
         params: see :class:`SamplingParams`.
         generator: the random stream to sample from (on the model's device); None: torch's default.
+        row_offset, num_rows_total: these B rows are rows ``[row_offset, row_offset + B)`` of a
+            global batch of ``num_rows_total`` rows (data parallelism: every rank passes the same
+            generator state and its own offset). Default: this call is the whole batch.
 
     Returns:
         A :class:`Rollout` with B = P * G rows, group after group.
@@ -147,6 +159,15 @@ def sample(
     eos = tokenizer.eos_token_id
     pad = pad_token_id(tokenizer)
     B = len(prompts) * group_size
+    total = B if num_rows_total is None else num_rows_total
+    if not 0 <= row_offset <= total - B:
+        raise ValueError(f"rows [{row_offset}, {row_offset + B}) do not fit a batch of {total} rows")
+    # One uniform per (position, global row), drawn up front, so the generator advances by the same
+    # amount on every rank and for every batch composition. Greedy decoding touches no random stream.
+    u_TB = torch.zeros((params.max_new_tokens, B), device=device)
+    if params.temperature != 0:
+        u_TB = torch.rand((params.max_new_tokens, total), generator=generator, device=device)
+        u_TB = u_TB[:, row_offset : row_offset + B]
 
     # Prompt pass: once per prompt, then the cache is repeated for the G members of the group.
     ids_PL, mask_PL = prompt_ids.to(device), prompt_mask.to(device)
@@ -161,7 +182,7 @@ def sample(
     active = torch.arange(B)  # rows still decoding, as indices into the B rows
 
     for t in range(params.max_new_tokens):
-        next_b = _sample_next(logits_bV, params, generator).cpu()
+        next_b = _sample_next(logits_bV, params, u_TB[t, active.to(device)]).cpu()
         out_BT[active, t] = next_b
         mask_BT[active, t] = True
         done_b = next_b == eos if eos is not None else torch.zeros_like(next_b, dtype=torch.bool)
@@ -188,10 +209,13 @@ def sample(
     return Rollout(prompt_ids, prompt_mask, out_BT, mask_BT, ~finished_B, texts, group_size)
 
 
-def _sample_next(
-    logits_bV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> torch.Tensor:
-    """One token per row from softmax(logits / temperature), after top-k and top-p filtering."""
+def _sample_next(logits_bV: torch.Tensor, params: SamplingParams, u_b: torch.Tensor) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), after top-k and top-p filtering.
+
+    Inverse-CDF sampling: the token is the first index whose cumulative probability exceeds
+    ``u * total`` (``u`` uniform in [0, 1)); a zero-probability token never is, because the
+    cumulative sum does not rise there.
+    """
     if params.temperature == 0:
         return logits_bV.argmax(dim=-1)
     z_bV = logits_bV.float() / params.temperature
@@ -204,8 +228,10 @@ def _sample_next(
         # drop a token when the mass before it already reaches top_p (the first token always stays)
         drop_bV = (p_bV.cumsum(dim=-1) - p_bV) >= params.top_p
         z_bV = z_bV.scatter(-1, order_bV, sorted_bV.masked_fill(drop_bV, float("-inf")))
-    probs_bV = torch.softmax(z_bV, dim=-1)
-    return torch.multinomial(probs_bV, 1, generator=generator).squeeze(-1)
+    cdf_bV = torch.softmax(z_bV, dim=-1).double().cumsum(dim=-1)
+    target_b1 = (u_b.double() * cdf_bV[:, -1])[:, None]
+    index_b = torch.searchsorted(cdf_bV, target_b1, right=True).squeeze(-1)
+    return index_b.clamp(max=cdf_bV.shape[-1] - 1)
 
 
 def _hits_stop(tokenizer, ids_bt: torch.Tensor, stop: tuple[str, ...]) -> torch.Tensor:

@@ -10,6 +10,10 @@ What it does:
   the *whole batch's* sequence and token counts, so the accumulated gradient equals the
   full-batch gradient whatever the micro-batch split (tested).
 
+Under torchrun (``dist``) the counts are summed over ranks and plans are padded to the longest
+rank's with empty micro-batches (``[]``): a forward on a stand-in row that contributes nothing, so
+every rank runs the same passes (train/distributed.py says why).
+
 What it deliberately does not do: step the optimizer, sample, or score (the trainer sequences those).
 
 Shape legend: B rows (completions), T completion width, b rows in a micro-batch, L prompt width.
@@ -25,6 +29,10 @@ import torch
 from grpokit.algo import policy_loss, token_entropy, token_logprobs
 from grpokit.models.loading import accepts_kwarg
 from grpokit.rollout.sampler import Rollout
+from grpokit.train.distributed import Dist, grad_sync
+
+# Per-token metrics of a micro-batch, averaged over the batch weighted by token counts.
+_TOKEN_METRICS = ("kl", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "entropy")
 
 
 @dataclass
@@ -135,15 +143,16 @@ def completion_logprobs(
 
 @torch.no_grad()
 def batch_logprobs(
-    model, batch: TrainBatch, plan: list[list[int]], pad_id: int, temperature: float
+    model, batch: TrainBatch, plan: list[list[int]], pad_id: int, temperature: float, dist: Dist | None = None
 ) -> torch.Tensor:
     """``[B, T]`` log-probs of every completion token under ``model`` (for pi_old and pi_ref), no grad."""
     param = next(model.parameters())
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.promote_types(param.dtype, torch.float32))
-    for rows in plan:
-        mb = collate(batch, rows, pad_id, param.device)
+    for rows in (dist or Dist()).pad_plan(plan):
+        mb = collate(batch, rows or [0], pad_id, param.device)
         logp, _ = completion_logprobs(model, mb, temperature)
-        out[rows, : logp.shape[1]] = logp.cpu()
+        if rows:  # an empty micro-batch only keeps the ranks' forward passes in step
+            out[rows, : logp.shape[1]] = logp.cpu()
     return out
 
 
@@ -159,6 +168,7 @@ def accumulate_policy_gradient(
     ref_logp: torch.Tensor | None = None,
     entropy_top_q: float | None = None,
     dump_path: Path | None = None,
+    dist: Dist | None = None,
 ) -> dict[str, float]:
     """Forward + backward over every micro-batch of ``plan``; gradients accumulate in ``.grad``.
 
@@ -174,66 +184,95 @@ def accumulate_policy_gradient(
             ("Beyond the 80/20 rule", Wang et al. 2025, arXiv:2506.01939); the denominators still
             count every token. None: all tokens.
         dump_path: write the first micro-batch's inputs and loss here (``train.dump_tensors``).
+        dist: under torchrun, ``model`` is the DDP / FSDP module: counts and metrics are summed over
+            ranks, gradients are synchronised once (in the last micro-batch's backward), and the
+            loss is scaled by the world size because DDP and FSDP average gradients over ranks.
 
     Returns:
-        Token-weighted means over the batch of the loss metrics, ``entropy`` and ``loss`` (the
-        full loss: the sum of the globally normalised micro-batch losses).
+        Token-weighted means over the batch (all ranks) of the loss metrics, ``entropy`` and
+        ``loss`` (the full loss: the sum of the globally normalised micro-batch losses).
     """
-    device = next(model.parameters()).device
+    d = dist or Dist()
     mask_all = batch.completion_mask[[r for rows in plan for r in rows]]
-    counts = dict(
-        num_sequences=int(mask_all.any(dim=1).sum()),
-        num_tokens=int(mask_all.sum()),
-        num_micro_batches=len(plan),
+    num_sequences, num_tokens, num_micro_batches = d.sum(
+        [float(mask_all.any(dim=1).sum()), float(mask_all.sum()), float(sum(1 for rows in plan if rows))]
     )
-    sums: dict[str, float] = {}
+    counts = dict(
+        num_sequences=int(num_sequences), num_tokens=int(num_tokens), num_micro_batches=int(num_micro_batches)
+    )
+    plan = d.pad_plan(plan)
+    keys = _TOKEN_METRICS
+    sums = dict.fromkeys(keys, 0.0)
     loss_total, ratio_max, tokens = 0.0, float("-inf"), 0
     for k, rows in enumerate(plan):
-        mb = collate(batch, rows, pad_id, device)
-        logp, entropy = completion_logprobs(model, mb, temperature, with_entropy=True)
-        T = logp.shape[1]
-        old = logp.detach() if old_logp is None else old_logp[rows, :T].to(device)
-        ref = None if ref_logp is None else ref_logp[rows, :T].to(device)
-        adv = batch.advantages[rows].to(device)
-        pg_mask = None
-        if entropy_top_q is not None and bool(mb.completion_mask.any()):
-            threshold = torch.quantile(entropy[mb.completion_mask].float(), 1.0 - entropy_top_q)
-            pg_mask = mb.completion_mask & (entropy >= threshold)
-        loss, m = policy_loss(
-            logp, old, adv, mb.completion_mask, ref_logp=ref, pg_mask=pg_mask, **loss_kwargs, **counts
-        )
-        if dump_path is not None and k == 0:
-            torch.save(
-                {
-                    "logp": logp.detach().cpu(),
-                    "old_logp": old.cpu(),
-                    "advantages": adv.cpu(),
-                    "mask": mb.completion_mask.cpu(),
-                    "ref_logp": None if ref is None else ref.cpu(),
-                    "pg_mask": None if pg_mask is None else pg_mask.cpu(),
-                    "loss": loss.detach().cpu(),
-                    "loss_kwargs": loss_kwargs,
-                    "counts": counts,
-                },
-                dump_path,
-            )
-        loss.backward()
-        n = int(m["num_tokens"])
-        if n == 0:
+        with grad_sync(model, enabled=k == len(plan) - 1):
+            stats = _micro_batch_backward(
+                model, batch, rows, pad_id, temperature, loss_kwargs, counts, old_logp, ref_logp,
+                entropy_top_q, dump_path if k == 0 else None, d.world_size,
+            )  # fmt: skip
+        if stats is None:
             continue
-        loss_total += float(loss.detach())
+        loss_total += stats.pop("loss")
+        n = int(stats.pop("num_tokens"))
         tokens += n
-        ratio_max = max(ratio_max, float(m["ratio_max"]))
-        m["entropy"] = entropy[mb.completion_mask].float().mean()
-        for key in (
-            "kl",
-            "clip_fraction",
-            "clip_fraction_low",
-            "clip_fraction_high",
-            "ratio_mean",
-            "entropy",
-        ):
-            sums[key] = sums.get(key, 0.0) + float(m[key]) * n
-    stats = {k: v / tokens for k, v in sums.items()} if tokens else {}
-    stats.update(loss=loss_total, ratio_max=ratio_max if tokens else float("nan"), num_tokens=tokens)
-    return stats
+        ratio_max = max(ratio_max, stats.pop("ratio_max"))
+        for key in keys:
+            sums[key] += stats[key] * n
+    loss_total, tokens, *values = d.sum([loss_total, float(tokens), *(sums[key] for key in keys)])
+    ratio_max, tokens = d.max(ratio_max), int(tokens)
+    out = {key: v / tokens for key, v in zip(keys, values, strict=True)} if tokens else {}
+    out.update(loss=loss_total, ratio_max=ratio_max if tokens else float("nan"), num_tokens=tokens)
+    return out
+
+
+def _micro_batch_backward(
+    model, batch, rows, pad_id, temperature, loss_kwargs, counts, old_logp, ref_logp, entropy_top_q,
+    dump_path, world_size,
+) -> dict[str, float] | None:  # fmt: skip
+    """Forward + backward of one micro-batch; its metrics, or None when it has no tokens. An empty
+    ``rows`` runs a stand-in row with its loss multiplied by 0 (the ranks' passes stay in step)."""
+    device = next(model.parameters()).device
+    dummy = not rows
+    rows = rows or [0]
+    mb = collate(batch, rows, pad_id, device)
+    logp, entropy = completion_logprobs(model, mb, temperature, with_entropy=True)
+    T = logp.shape[1]
+    old = logp.detach() if old_logp is None else old_logp[rows, :T].to(device)
+    ref = None if ref_logp is None else ref_logp[rows, :T].to(device)
+    adv = batch.advantages[rows].to(device)
+    pg_mask = None
+    if entropy_top_q is not None and bool(mb.completion_mask.any()):
+        threshold = torch.quantile(entropy[mb.completion_mask].float(), 1.0 - entropy_top_q)
+        pg_mask = mb.completion_mask & (entropy >= threshold)
+    loss, m = policy_loss(
+        logp, old, adv, mb.completion_mask, ref_logp=ref, pg_mask=pg_mask, **loss_kwargs, **counts
+    )
+    if dump_path is not None and not dummy:
+        torch.save(
+            {
+                "logp": logp.detach().cpu(),
+                "old_logp": old.cpu(),
+                "advantages": adv.cpu(),
+                "mask": mb.completion_mask.cpu(),
+                "ref_logp": None if ref is None else ref.cpu(),
+                "pg_mask": None if pg_mask is None else pg_mask.cpu(),
+                "loss": loss.detach().cpu(),
+                "loss_kwargs": loss_kwargs,
+                "counts": counts,
+            },
+            dump_path,
+        )
+    # DDP / FSDP average the ranks' gradients; each rank's loss is already normalised by the global
+    # counts, so scaling by the world size makes the average the whole batch's gradient.
+    (loss * (0.0 if dummy else float(world_size))).backward()
+    n = int(m["num_tokens"])
+    if dummy or n == 0:
+        return None
+    m["entropy"] = entropy[mb.completion_mask].float().mean()
+    keys = _TOKEN_METRICS
+    return {
+        "loss": float(loss.detach()),
+        "num_tokens": n,
+        "ratio_max": float(m["ratio_max"]),
+        **{key: float(m[key]) for key in keys},
+    }

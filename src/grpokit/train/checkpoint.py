@@ -9,6 +9,14 @@ complete new checkpoint or none: the previous one stays loadable. ``find_checkpo
 manifest and refuses a corrupt or partial checkpoint with a message, or (``fallback=True``, what
 ``--resume auto`` asks for) skips back to the newest good one.
 
+Under torchrun (``dist``): with DDP every rank holds the same weights and optimizer state, so rank
+0 writes the checkpoint alone. With FSDP the weights are gathered to rank 0 and written in the same
+Hugging Face format (so ``grpokit export`` and ``eval`` read any checkpoint), and the optimizer
+state, the large part, is written shard by shard by every rank with torch.distributed.checkpoint
+into ``optimizer/``. All ranks write into the same temporary directory, so a multi-node run needs
+``train.output_dir`` on a shared file system. The sampler's generator is identical on every rank
+(rollout/sampler.py), so rank 0's random streams are everyone's.
+
 What it deliberately does not do: decide when to save (the trainer does), or save a frozen
 reference model (it is the initial policy, reloaded from ``model.name_or_path`` on resume); a
 reference that moves (``algo.ref_sync_every``) is saved.
@@ -28,6 +36,8 @@ from pathlib import Path
 import torch
 
 from grpokit.errors import CheckpointError
+from grpokit.train import distributed
+from grpokit.train.distributed import Dist
 
 FORMAT_VERSION = 1
 _PREFIX = "step-"
@@ -57,21 +67,46 @@ def save_checkpoint(
     state: TrainerState,
     keep_last: int,
     ref_model=None,
+    dist: Dist | None = None,
 ) -> Path:
     """Write the checkpoint of ``state.step`` atomically and prune to the newest ``keep_last``.
 
     ``ref_model`` is saved too when given (a reference that moves, ``algo.ref_sync_every``).
+    Under torchrun every rank calls this (``model`` unwrapped from DDP); it returns on every rank
+    once the checkpoint is complete.
     """
+    d = dist or Dist()
     final = checkpoint_dir(run_dir, state.step)
     parent = final.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f".tmp-{final.name}-{os.getpid()}-{time.time_ns()}"
-    tmp.mkdir()
-    model.save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model")
-    if ref_model is not None:
-        ref_model.save_pretrained(tmp / "ref")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    tmp = None
+    if d.is_main:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = parent / f".tmp-{final.name}-{os.getpid()}-{time.time_ns()}"
+        tmp.mkdir()
+    tmp = d.broadcast(tmp)
+    if d.fsdp:
+        weights = distributed.full_state_dict(model, d)
+        ref_weights = None if ref_model is None else distributed.full_state_dict(ref_model, d)
+        distributed.save_sharded_optimizer(model, optimizer, tmp / "optimizer")
+    if d.is_main:
+        if d.fsdp:
+            model.save_pretrained(tmp / "model", state_dict=weights)
+            if ref_model is not None:
+                ref_model.save_pretrained(tmp / "ref", state_dict=ref_weights)
+        else:
+            model.save_pretrained(tmp / "model")
+            if ref_model is not None:
+                ref_model.save_pretrained(tmp / "ref")
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        tokenizer.save_pretrained(tmp / "model")
+        _commit(tmp, final, generator, state, keep_last)
+    d.barrier()
+    return final
+
+
+def _commit(tmp: Path, final: Path, generator: torch.Generator, state: TrainerState, keep_last: int) -> None:
+    """Add the random streams and counters, checksum every file, and rename ``tmp`` to ``final``."""
+    parent = final.parent
     torch.save(_rng_state(generator), tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
     _fault_hook(tmp, state.step)
@@ -90,7 +125,6 @@ def save_checkpoint(
     os.rename(tmp, final)
     _fsync_dir(parent)
     _prune(parent, keep_last)
-    return final
 
 
 def verify(path: Path) -> None:
@@ -146,23 +180,40 @@ def find_checkpoint(path: Path, *, fallback: bool = False, warn=print) -> Path |
     return None
 
 
-def load_checkpoint(path: Path, model, optimizer, generator: torch.Generator, ref_model=None) -> TrainerState:
-    """Restore weights, optimizer, RNG streams (and the reference, if it was saved); return the counters."""
-    _load_weights(model, path / "model")
+def load_checkpoint(
+    path: Path, model, optimizer, generator: torch.Generator, ref_model=None, dist: Dist | None = None
+) -> TrainerState:
+    """Restore weights, optimizer, RNG streams (and the reference, if it was saved); return the counters.
+
+    Under torchrun every rank calls this; an FSDP run must resume under FSDP (its optimizer state
+    is sharded), any world size.
+    """
+    d = dist or Dist()
+    fsdp_saved = (path / "optimizer").is_dir()
+    if fsdp_saved != d.fsdp:
+        raise CheckpointError(
+            f"{path}: saved {'with' if fsdp_saved else 'without'} FSDP; resume it with "
+            f"distributed.strategy={'fsdp under torchrun' if fsdp_saved else 'ddp (or a single process)'}"
+        )
+    _load_weights(model, path / "model", d)
     if ref_model is not None and (path / "ref").is_dir():
-        _load_weights(ref_model, path / "ref")
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        _load_weights(ref_model, path / "ref", d)
+    if d.fsdp:
+        distributed.load_sharded_optimizer(model, optimizer, path / "optimizer")
+    else:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     _set_rng_state(torch.load(path / "rng.pt", weights_only=False), generator)
     return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
 
 
-def _load_weights(model, directory: Path) -> None:
+def _load_weights(model, directory: Path, d: Dist) -> None:
     from safetensors.torch import load_file
 
-    device = str(next(model.parameters()).device)
+    device = "cpu" if d.fsdp else str(next(model.parameters()).device)
     weights = {}
     for shard in sorted(directory.glob("*.safetensors")):  # one file, or several shards
         weights.update(load_file(shard, device=device))
+
     if hasattr(model, "peft_config"):  # a LoRA model saves (and restores) only its adapters
         from peft import set_peft_model_state_dict
 
@@ -170,7 +221,10 @@ def _load_weights(model, directory: Path) -> None:
         if getattr(result, "unexpected_keys", None):
             raise CheckpointError(f"{directory}: adapter weights do not fit ({result.unexpected_keys[:5]})")
         return
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if d.fsdp:  # every rank read the full weights; each keeps its shard
+        missing, unexpected = distributed.load_full_state_dict(model, weights)
+    else:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")}  # tied embeddings are saved once
     if set(missing) - tied or unexpected:
         raise CheckpointError(

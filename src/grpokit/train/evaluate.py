@@ -39,8 +39,9 @@ def evaluate(
     ``prompt_column`` / ``answer_column`` name the dataset columns (the answer reaches the rewards
     as ``answer``, as in training).
 
-    Returns ``{"reward_mean", "accuracy" (None without a verifier), "num_prompts", "examples"}``;
-    ``examples`` holds the first five prompts with their completion, reward and ``answer`` column.
+    Returns ``{"reward_mean", "accuracy" (None without a verifier), "num_prompts", "num_verified"
+    (prompts the verifier scored), "examples"}``; ``examples`` holds the first five prompts with
+    their completion, reward and ``answer`` column.
     """
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop)
     totals, verified, examples = [], [], []
@@ -62,7 +63,23 @@ def evaluate(
         "reward_mean": float(torch.cat(totals).mean()),
         "accuracy": accuracy,
         "num_prompts": len(prompts),
+        "num_verified": int((~torch.cat(verified).isnan()).sum()) if verified else 0,
         "examples": examples,
+    }
+
+
+def combine_evaluations(parts: list[dict]) -> dict:
+    """One :func:`evaluate` result from results on disjoint shards of the prompts, in order: means
+    weighted by their counts, the first five examples overall."""
+    n = sum(p["num_prompts"] for p in parts)
+    v = sum(p["num_verified"] for p in parts)
+    scored = [p for p in parts if p["accuracy"] is not None]
+    return {
+        "reward_mean": sum(p["reward_mean"] * p["num_prompts"] for p in parts) / max(n, 1),
+        "accuracy": sum(p["accuracy"] * p["num_verified"] for p in scored) / v if v else None,
+        "num_prompts": n,
+        "num_verified": v,
+        "examples": [e for p in parts for e in p["examples"]][:5],
     }
 
 

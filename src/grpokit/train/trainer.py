@@ -17,7 +17,13 @@ Decisions worth knowing:
 - Checkpoints every ``train.save_every`` steps (train/checkpoint.py); SIGINT / SIGTERM finish the
   current step, save, and raise ``TrainingInterrupted``; ``train(resume=...)`` continues exactly.
 
-What it deliberately does not do: distributed training (#9).
+- Under torchrun (train/distributed.py) each rank samples, scores and trains on its own
+  ``prompts_per_step / world_size`` groups; advantages, metrics and stop decisions are computed
+  from the whole step's batch, gathered from every rank, so they equal a single process's. Only
+  rank 0 writes the run directory.
+
+What it deliberately does not do: launch processes (torchrun does) or decide the device layout
+beyond one process per GPU.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ from grpokit.rewards.registry import (
 from grpokit.rollout.sampler import Rollout, SamplingParams, concat_rollouts, pad_token_id, sample
 from grpokit.train.batch import TrainBatch, accumulate_policy_gradient, batch_logprobs, plan_micro_batches
 from grpokit.train.checkpoint import TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
-from grpokit.train.evaluate import evaluate
+from grpokit.train.distributed import full_parameters, full_state_dict, init_distributed, shard, wrap
+from grpokit.train.evaluate import combine_evaluations, evaluate
 from grpokit.train.metrics import RunLogger, json_safe
 
 
@@ -73,6 +80,14 @@ class GRPOTrainer:
         self, config: GRPOConfig, model=None, tokenizer=None, rewards=None, dataset=None, eval_dataset=None
     ) -> None:
         self.cfg = cfg = config
+        self.dist = init_distributed(cfg.distributed.strategy, cfg.distributed.backend)
+        W, P = self.dist.world_size, cfg.train.prompts_per_step
+        if P % W or cfg.train.steps_per_generation > P // W:
+            raise ValueError(
+                f"train.prompts_per_step={P} must be a multiple of the world size {W} with at least "
+                f"train.steps_per_generation={cfg.train.steps_per_generation} prompts per rank "
+                "(a group never spans ranks); change prompts_per_step or --nproc-per-node"
+            )
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
         self.train_source, self.eval_rows = _build_data(cfg, dataset, eval_dataset)
@@ -81,7 +96,7 @@ class GRPOTrainer:
             raise ValueError(
                 "train.eval_every > 0 needs held-out rows: set data.eval_path or use a data.task"
             )
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = self.dist.device()
         if model is None:
             model, tokenizer = load_model(
                 cfg.model.name_or_path,
@@ -100,6 +115,11 @@ class GRPOTrainer:
         wants_ref = cfg.algo.beta > 0 or cfg.train.track_kl
         self.adapter_ref = wants_ref and hasattr(model, "disable_adapter")
         self.ref_model = reference_copy(model) if wants_ref and not self.adapter_ref else None
+        if self.ref_model is not None and self.dist.fsdp:
+            shard(self.ref_model, self.dist)
+        # train_module runs the update (a DDP wrapper, or the FSDP-sharded model itself); self.model
+        # is the model underneath, for sampling, log-probs without gradients and saving.
+        self.train_module = wrap(model, self.dist)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.generator = torch.Generator(self.device).manual_seed(cfg.train.seed)
@@ -127,12 +147,16 @@ class GRPOTrainer:
         """
         cfg, t0 = self.cfg, time.perf_counter()
         before, wall_before = self._start(resume)
-        logger = RunLogger(
-            self.run_dir,
-            cfg.train.max_steps,
-            cfg.train.quiet,
-            start_step=self.step,
-            tensorboard=cfg.logging.tensorboard,
+        logger = (
+            RunLogger(
+                self.run_dir,
+                cfg.train.max_steps,
+                cfg.train.quiet,
+                start_step=self.step,
+                tensorboard=cfg.logging.tensorboard,
+            )
+            if self.dist.is_main
+            else _NoLogger()
         )
         last: dict = {}
         with _StopOnSignal() as stop:
@@ -140,7 +164,7 @@ class GRPOTrainer:
                 while self.step < cfg.train.max_steps:
                     self.step += 1
                     last, samples = self.train_step()
-                    stop_reason = self._watch(last, logger)
+                    stop_reason = self.dist.broadcast(self._watch(last, logger))
                     if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                         ev = self._evaluate()
                         last.update(eval_reward_mean=ev["reward_mean"], eval_accuracy=ev["accuracy"])
@@ -150,10 +174,11 @@ class GRPOTrainer:
                     due = cfg.train.save_every and (
                         self.step % cfg.train.save_every == 0 or self.step == cfg.train.max_steps
                     )
-                    if due or stop.signum is not None or stop_reason:  # these save even with save_every = 0
+                    signum = int(self.dist.max(float(stop.signum or 0)))  # a signal to any rank stops all
+                    if due or signum or stop_reason:  # these save even with save_every = 0
                         ckpt = self._save(before, wall)
-                        if stop.signum is not None:
-                            raise TrainingInterrupted(self.step, stop.signum, ckpt, self.run_dir)
+                        if signum:
+                            raise TrainingInterrupted(self.step, signum, ckpt, self.run_dir)
                     if stop_reason:
                         logger.print(f"grpokit: stopping after step {self.step}: {stop_reason}")
                         self.stop_reason = stop_reason
@@ -162,11 +187,14 @@ class GRPOTrainer:
                 logger.close()
         after = self._evaluate() if self.eval_rows else None
         summary = self._summary(last, before, after, wall_before + time.perf_counter() - t0)
-        (self.run_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
-        self.model.save_pretrained(self.run_dir / "final")
-        self.tokenizer.save_pretrained(self.run_dir / "final")
-        if cfg.logging.report:
-            write_report(self.run_dir)
+        weights = full_state_dict(self.model, self.dist) if self.dist.fsdp else None  # a collective
+        if self.dist.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
+            self.model.save_pretrained(self.run_dir / "final", state_dict=weights)
+            self.tokenizer.save_pretrained(self.run_dir / "final")
+            if cfg.logging.report:
+                write_report(self.run_dir)
+        self.dist.barrier()
         return summary
 
     def _start(self, resume: str | Path | None) -> tuple[dict | None, float]:
@@ -174,18 +202,23 @@ class GRPOTrainer:
         if resume is not None:
             auto = str(resume) == "auto"
             where = self.run_dir if auto else Path(resume)
-            ckpt = find_checkpoint(where, fallback=auto, warn=lambda m: print(f"grpokit: {m}", flush=True))
+            ckpt = find_checkpoint(where, fallback=auto, warn=lambda m: self._print(f"grpokit: {m}"))
             if ckpt is not None:
                 self.run_dir = ckpt.parent.parent
-                state = load_checkpoint(ckpt, self.model, self.optimizer, self.generator, self.ref_model)
+                state = load_checkpoint(
+                    ckpt, self.model, self.optimizer, self.generator, self.ref_model, self.dist
+                )
                 self.step, self.rows_consumed = state.step, state.rows_consumed
                 self.num_skipped_steps = state.num_skipped_steps
-                truncate_logs(self.run_dir, state.step)  # drop steps logged after the checkpoint
-                self.cfg.save(self.run_dir / "config.yaml")
+                if self.dist.is_main:
+                    truncate_logs(self.run_dir, state.step)  # drop steps logged after the checkpoint
+                    self.cfg.save(self.run_dir / "config.yaml")
+                self.dist.barrier()
                 return state.before, state.wall_time_s
             if not auto:
                 raise CheckpointError(f"{where}: no checkpoint to resume from")
-            truncate_logs(self.run_dir, 0)  # auto with nothing saved yet: start over
+            if self.dist.is_main:
+                truncate_logs(self.run_dir, 0)  # auto with nothing saved yet: start over
         self._prepare_run_dir()
         return (self._evaluate() if self.eval_rows else None), 0.0
 
@@ -200,6 +233,7 @@ class GRPOTrainer:
             state,
             self.cfg.train.keep_last,
             ref_model=self.ref_model if self.cfg.algo.ref_sync_every else None,
+            dist=self.dist,
         )
 
     def train_step(self) -> tuple[dict, list[dict]]:
@@ -217,7 +251,9 @@ class GRPOTrainer:
         tau = cfg.rollout.temperature
         ref_logp = self._ref_logprobs(batch, full_plan)
         needs_old = cfg.train.mu > 1 or cfg.train.steps_per_generation > 1 or a.kl_placement == "reward"
-        old_logp = batch_logprobs(self.model, batch, full_plan, self.pad_id, tau) if needs_old else None
+        old_logp = (
+            batch_logprobs(self.model, batch, full_plan, self.pad_id, tau, self.dist) if needs_old else None
+        )
         total_B = scores.total
         if a.kl_placement == "reward" and ref_logp is not None:  # r <- r - beta * sum_t (log pi - log pi_ref)
             kl_seq_B = torch.where(batch.completion_mask, old_logp - ref_logp, 0.0).sum(dim=1)
@@ -228,10 +264,19 @@ class GRPOTrainer:
         self._maybe_sync_reference()
         t3 = time.perf_counter()
         times = (t0, t0 + gen["time_sampling_s"], t1, t2, t3)
-        metrics = _step_metrics(self.step, rollout, scores, batch.advantages, stats, times)
+        # the whole step's batch, gathered from every rank in rank order (itself in one process)
+        parts = self.dist.all_gather_objects((prompts_B, rollout, scores, batch.advantages))
+        if self.dist.enabled:
+            prompts_B = [p for part in parts for p in part[0]]
+            rollout = concat_rollouts([part[1] for part in parts], self.pad_id)
+            scores = concat_scores([part[2] for part in parts])
+            adv_B = torch.cat([part[3] for part in parts])
+        else:
+            adv_B = batch.advantages
+        metrics = _step_metrics(self.step, rollout, scores, adv_B, stats, times)
         metrics.update(num_skipped_steps=self.num_skipped_steps, generation_batches=gen["batches"])
         self._last_completions = rollout.completions
-        return metrics, self._sample_rows(prompts_B, rollout, scores, batch.advantages)
+        return metrics, self._sample_rows(prompts_B, rollout, scores, adv_B)
 
     def _watch(self, metrics: dict, logger: RunLogger) -> str | None:
         """Feed the hacking monitor; log its alerts; return a reason to stop (``stop_on_hacking``)."""
@@ -248,46 +293,52 @@ class GRPOTrainer:
     def _ref_logprobs(self, batch: TrainBatch, plan: list[list[int]]) -> torch.Tensor | None:
         tau = self.cfg.rollout.temperature
         if self.ref_model is not None:
-            return batch_logprobs(self.ref_model, batch, plan, self.pad_id, tau)
+            return batch_logprobs(self.ref_model, batch, plan, self.pad_id, tau, self.dist)
         if self.adapter_ref:
             with self.model.disable_adapter():
-                return batch_logprobs(self.model, batch, plan, self.pad_id, tau)
+                return batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist)
         return None
 
     def _generate(self) -> tuple[list[str], Rollout, Scores, dict]:
         """Sample and score ``prompts_per_step`` groups. With DAPO's dynamic sampling, keep drawing
         batches (at most ``algo.dynamic_sampling_max_batches``) and keep only groups whose verifier
         accuracy (or, without a verifier, total reward) differs, until ``prompts_per_step`` of them
-        are found; fewer if the cap is reached."""
-        cfg, G, P = self.cfg, self.cfg.rollout.group_size, self.cfg.train.prompts_per_step
+        are found; fewer if the cap is reached.
+
+        Under torchrun each rank fills its own quota of ``prompts_per_step / world_size`` groups
+        and keeps sampling (and discarding) until every rank's quota is full, so the ranks' random
+        streams and batches stay in step."""
+        cfg, G, W = self.cfg, self.cfg.rollout.group_size, self.dist.world_size
+        P = cfg.train.prompts_per_step // W  # this rank's prompts
         kept: list[tuple[list[str], Rollout, Scores]] = []
         num_kept, sampling_s, batches = 0, 0.0, 0
         for batches in range(
             1, (cfg.algo.dynamic_sampling_max_batches if cfg.algo.dynamic_sampling else 1) + 1
         ):
             t = time.perf_counter()
-            rows, prompts = self._next_prompts(P)
-            rollout = sample(self.model, self.tokenizer, prompts, G, self.sampling, self.generator)
-            sampling_s += time.perf_counter() - t
-            prompts_B = [p for p in prompts for _ in range(G)]
-            columns = reward_columns(rows, G, cfg.data.prompt_column, cfg.data.answer_column)
-            scores = score(
-                self.rewards, prompts_B, rollout.completions, columns, rollout.completion_token_lists()
-            )
-            if not cfg.algo.dynamic_sampling:
-                return prompts_B, rollout, scores, {"batches": 1, "time_sampling_s": sampling_s}
-            # DAPO filters on accuracy (all right or all wrong); without a verifier, on the total reward
-            signal = scores.total if scores.verifier is None else torch.nan_to_num(scores.verifier)
-            groups = (~zero_std_groups(signal, G)).nonzero().flatten().tolist()[: P - num_kept]
-            last_chance = not kept and batches == cfg.algo.dynamic_sampling_max_batches
-            if groups or last_chance:
-                groups = groups or list(range(P))  # nothing informative at all: train on the last batch
-                rows_B = [g * G + j for g in groups for j in range(G)]
-                kept.append(
-                    ([prompts_B[r] for r in rows_B], rollout.take_groups(groups), scores.take(rows_B))
+            rows, prompts = self._next_prompts(cfg.train.prompts_per_step)
+            with full_parameters(self.model, self.dist):
+                rollout = sample(
+                    self.model,
+                    self.tokenizer,
+                    prompts,
+                    G,
+                    self.sampling,
+                    self.generator,
+                    row_offset=self.dist.rank * P * G,
+                    num_rows_total=W * P * G,
                 )
-                num_kept += len(groups)
-            if num_kept >= P:
+            sampling_s += time.perf_counter() - t
+            if num_kept < P:  # else this rank is full and only keeps in step with another still drawing
+                prompts_B = [p for p in prompts for _ in range(G)]
+                columns = reward_columns(rows, G, cfg.data.prompt_column, cfg.data.answer_column)
+                scores = score(
+                    self.rewards, prompts_B, rollout.completions, columns, rollout.completion_token_lists()
+                )
+                if not cfg.algo.dynamic_sampling:
+                    return prompts_B, rollout, scores, {"batches": 1, "time_sampling_s": sampling_s}
+                num_kept += self._keep_informative(kept, prompts_B, rollout, scores, P - num_kept, batches)
+            if self.dist.max(float(num_kept < P)) == 0:  # every rank's quota is full
                 break
         rollout = concat_rollouts([k[1] for k in kept], self.pad_id)
         return (
@@ -297,10 +348,35 @@ class GRPOTrainer:
             {"batches": batches, "time_sampling_s": sampling_s},
         )
 
+    def _keep_informative(
+        self, kept: list, prompts_B: list[str], rollout: Rollout, scores: Scores, room: int, batch: int
+    ) -> int:
+        """DAPO's filter: append to ``kept`` up to ``room`` groups whose accuracy (without a verifier:
+        total reward) is not all-equal; on the last allowed batch with nothing kept yet, keep the
+        whole batch. Returns how many groups were kept."""
+        G, P = self.cfg.rollout.group_size, rollout.num_rows // self.cfg.rollout.group_size
+        signal = scores.total if scores.verifier is None else torch.nan_to_num(scores.verifier)
+        groups = (~zero_std_groups(signal, G)).nonzero().flatten().tolist()[:room]
+        if not groups and not kept and batch == self.cfg.algo.dynamic_sampling_max_batches:
+            groups = list(range(P))  # nothing informative at all: train on the last batch
+        if groups:
+            rows_B = [g * G + j for g in groups for j in range(G)]
+            kept.append(([prompts_B[r] for r in rows_B], rollout.take_groups(groups), scores.take(rows_B)))
+        return len(groups)
+
     def _advantages(self, total_B: torch.Tensor, scores: Scores) -> torch.Tensor:
+        """Advantages of this rank's rows, computed from the whole step's rewards (gathered from
+        every rank), so ``scale: batch`` sees the global batch as a single process would."""
+        per_KB = torch.stack([scores.per_reward[r.name] for r in self.rewards])
+        parts = self.dist.all_gather_objects((total_B, per_KB))
+        offset = sum(len(part[0]) for part in parts[: self.dist.rank])
+        total_all = torch.cat([part[0] for part in parts])
+        per_all = torch.cat([part[1] for part in parts], dim=1)
+        return self._global_advantages(total_all, per_all)[offset : offset + len(total_B)]
+
+    def _global_advantages(self, total_B: torch.Tensor, per_KB: torch.Tensor) -> torch.Tensor:
         a, G = self.cfg.algo, self.cfg.rollout.group_size
         if a.reward_combination == "normalize_then_sum" and len(self.rewards) > 1:
-            per_KB = torch.stack([scores.per_reward[r.name] for r in self.rewards])
             if torch.isnan(per_KB).any():
                 raise ValueError(
                     "algo.reward_combination=normalize_then_sum needs every reward to score every "
@@ -326,7 +402,9 @@ class GRPOTrainer:
             for k in range(t.steps_per_generation)
         ]
         plans = []
-        for rows in (p for p in parts if p):
+        # under torchrun an empty part stays (an empty plan, padded later): every rank must make
+        # the same number of optimizer steps
+        for rows in (p for p in parts if p or self.dist.enabled):
             local = plan_micro_batches([lengths[r] for r in rows], t.micro_batch_size, t.micro_batch_tokens)
             plans.append([[rows[i] for i in mb] for mb in local])
         return plans
@@ -338,7 +416,8 @@ class GRPOTrainer:
         cfg, a = self.cfg, self.cfg.algo
         per_gen = cfg.train.mu * len(plans)
         kl_in_loss = a.beta > 0 and a.kl_placement == "loss"
-        if not kl_in_loss and bool((batch.advantages == 0).all()):
+        all_zero = self.dist.max(float(bool((batch.advantages != 0).any()))) == 0  # on every rank
+        if not kl_in_loss and all_zero:
             self.num_skipped_steps += 1
             lr = self._lr((self.step - 1) * per_gen)
             return {"loss": 0.0, "optimizer_step_skipped": 1, "grad_norm": 0.0, "lr": lr}
@@ -369,9 +448,9 @@ class GRPOTrainer:
                     group["lr"] = lr
                 self.optimizer.zero_grad(set_to_none=True)
                 # train mode only so HF's gradient checkpointing engages; every dropout is already 0
-                self.model.train(self.cfg.model.gradient_checkpointing)
+                self.train_module.train(self.cfg.model.gradient_checkpointing)
                 stats = accumulate_policy_gradient(
-                    self.model,
+                    self.train_module,
                     batch,
                     plan,
                     self.pad_id,
@@ -380,12 +459,12 @@ class GRPOTrainer:
                     old_logp=old_logp,
                     ref_logp=ref_logp,
                     entropy_top_q=a.entropy_top_q,
-                    dump_path=dump if epoch == 0 and k == 0 else None,
+                    dump_path=dump if epoch == 0 and k == 0 and self.dist.is_main else None,
+                    dist=self.dist,
                 )
-                self.model.eval()
-                stats["grad_norm"] = float(
-                    torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or math.inf)
-                )
+                self.train_module.eval()
+                norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or math.inf)
+                stats["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 self.optimizer.step()
                 steps.append(stats)
         self.optimizer.zero_grad(set_to_none=True)
@@ -416,7 +495,10 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------------------------------
     def _next_prompts(self, n: int) -> tuple[list[dict], list[str]]:
-        rows = [self.train_source.row(self.rows_consumed + i) for i in range(n)]
+        """The next ``n`` rows of the stream; under torchrun, this rank's contiguous share of them."""
+        share = n // self.dist.world_size
+        start = self.rows_consumed + self.dist.rank * share
+        rows = [self.train_source.row(start + i) for i in range(share)]
         self.rows_consumed += n
         return rows, [self._prompt(r) for r in rows]
 
@@ -451,26 +533,36 @@ class GRPOTrainer:
         dropped += len(self.eval_rows) - len(kept_eval)
         self.eval_rows = kept_eval
         if dropped:
-            print(
-                f"grpokit: dropped {dropped} prompts longer than data.max_prompt_length={limit} tokens",
-                flush=True,
+            self._print(
+                f"grpokit: dropped {dropped} prompts longer than data.max_prompt_length={limit} tokens"
             )
         return dropped
 
+    def _print(self, text: str) -> None:
+        if self.dist.is_main:
+            print(text, flush=True)
+
     def _evaluate(self) -> dict:
+        """Greedy held-out evaluation; under torchrun each rank decodes a contiguous share of the
+        prompts and the results are combined (rank 0's share holds the first examples)."""
         d, rows = self.cfg.data, self.eval_rows[: self.cfg.train.eval_max_prompts]
-        prompts = [self._prompt(r) for r in rows]
-        return evaluate(
-            self.model,
-            self.tokenizer,
-            rows,
-            prompts,
-            self.rewards,
-            max_new_tokens=self.cfg.rollout.max_new_tokens,
-            stop=tuple(self.cfg.rollout.stop),
-            prompt_column=d.prompt_column,
-            answer_column=d.answer_column,
-        )
+        W, r = self.dist.world_size, self.dist.rank
+        rows = rows[r * len(rows) // W : (r + 1) * len(rows) // W]
+        result = {"reward_mean": 0.0, "accuracy": None, "num_prompts": 0, "num_verified": 0, "examples": []}
+        if rows:
+            with full_parameters(self.model, self.dist):
+                result = evaluate(
+                    self.model,
+                    self.tokenizer,
+                    rows,
+                    [self._prompt(row) for row in rows],
+                    self.rewards,
+                    max_new_tokens=self.cfg.rollout.max_new_tokens,
+                    stop=tuple(self.cfg.rollout.stop),
+                    prompt_column=d.prompt_column,
+                    answer_column=d.answer_column,
+                )
+        return combine_evaluations(self.dist.all_gather_objects(result)) if self.dist.enabled else result
 
     def _sample_rows(self, prompts_B: list[str], rollout: Rollout, scores, adv_B: torch.Tensor) -> list[dict]:
         rng = random.Random(f"{self.cfg.train.seed}:samples:{self.step}")
@@ -493,14 +585,16 @@ class GRPOTrainer:
                 f"{self.run_dir} already holds a run (metrics.jsonl); continue it with --resume "
                 f"{self.run_dir}, choose another train.output_dir (--output-dir), or delete it"
             )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.cfg.save(self.run_dir / "config.yaml")
+        self.dist.barrier()  # every rank has looked before rank 0 writes
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.cfg.save(self.run_dir / "config.yaml")
 
     def _summary(self, last: dict, before: dict | None, after: dict | None, wall: float) -> dict:
         s = {
             "steps": self.step,
             "wall_time_s": round(wall, 3),
-            "world_size": 1,
+            "world_size": self.dist.world_size,
             "num_skipped_steps": self.num_skipped_steps,
             "num_filtered_prompts": self.num_filtered_prompts,
             "alerts": [] if self.monitor is None else [vars(a) for a in self.monitor.alerts],
@@ -618,6 +712,18 @@ def _step_metrics(step: int, rollout: Rollout, scores, adv_B: torch.Tensor, stat
         "tokens_per_s": float(lengths.sum()) / max(t3 - t0, 1e-9),
     }
     return m
+
+
+class _NoLogger:
+    """Ranks other than 0 write nothing: the run directory is rank 0's."""
+
+    def log_step(self, metrics: dict) -> None: ...
+
+    def log_samples(self, rows: list[dict]) -> None: ...
+
+    def print(self, text: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class _StopOnSignal:

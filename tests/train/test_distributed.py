@@ -1,0 +1,191 @@
+"""torchrun data parallelism on CPU (2 processes, gloo): DDP equals one process, FSDP trains and resumes.
+
+Each torchrun launch costs about 7 s (two interpreters importing torch and transformers), so the
+launches are shared by module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpokit.config import ConfigError, load_config
+from grpokit.train import trainer as trainer_module
+from grpokit.train.distributed import Dist
+from grpokit.train.evaluate import combine_evaluations
+
+TIME_KEYS = {"time_sampling_s", "time_scoring_s", "time_training_s", "tokens_per_s"}
+# the shipped tiny model on the demo's sort task; 4 micro-batches per rank (gradient accumulation
+# with the sync deferred to the last), a reference model, mu = 2 (pi_old != pi_theta)
+COMMON = [
+    "train.prompts_per_step=8",
+    "train.micro_batch_size=4",
+    "train.mu=2",
+    "train.eval_max_prompts=20",
+    "train.max_steps=3",
+    "train.quiet=true",
+    "logging.report=false",
+]
+
+
+def launch(out: Path, *args: str, nproc: int = 2, resume: Path | None = None) -> subprocess.CompletedProcess:
+    """``grpokit train --config demo`` under torchrun (nproc >= 2) or in one plain process."""
+    head = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]
+    head = head if nproc > 1 else [sys.executable]
+    cmd = [*head, "-m", "grpokit", "train"]
+    cmd += ["--resume", str(resume)] if resume else ["--config", "demo", "--output-dir", str(out)]
+    for a in [] if resume else [*COMMON, *args]:
+        cmd += ["--set", a]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in rows]
+
+
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(model_dir / "model.safetensors")
+
+
+def resumed_copy(run: Path, dest: Path, step: int) -> Path:
+    """A copy of ``run`` as a crash right after the checkpoint of ``step`` would have left it."""
+    shutil.copytree(run, dest)
+    for ckpt in (dest / "checkpoints").iterdir():
+        if int(ckpt.name.split("-")[1]) > step:
+            shutil.rmtree(ckpt)
+    shutil.rmtree(dest / "final")
+    (dest / "summary.json").unlink()
+    return dest
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "run"
+    launch(out, "train.save_every=1", nproc=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    proc = launch(out, "train.save_every=1", "distributed.strategy=ddp")
+    assert proc.stdout.count("done: 3 steps") == 1  # rank 0 alone reports
+    return out
+
+
+def test_ddp_first_step_equals_one_process(single, ddp):
+    before = weights(Path(__file__).parents[2] / "src/grpokit/models/tiny_model")
+    one = weights(single / "checkpoints/step-000001/model")
+    two = weights(ddp / "checkpoints/step-000001/model")
+    assert one.keys() == two.keys()
+    moved = max(float((one[k] - before[k]).abs().max()) for k in one)
+    assert moved > 5e-4  # 2 Adam steps of lr 3e-4 (mu = 2): the step really changed the weights...
+    for k in one:  # ...and two ranks changed them as one process did, to float32 round-off
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=2e-6, msg=k)
+
+
+def test_ddp_run_matches_one_process_and_writes_once(single, ddp):
+    a, b = metrics(single), metrics(ddp)
+    assert [m["step"] for m in b] == [1, 2, 3]
+    for x, y in zip(a, b, strict=True):
+        # the same completions and rewards: the sampler draws each row's uniforms from one global block
+        for key in ("reward_mean", "reward_std", "accuracy", "completion_length_mean", "zero_std_fraction"):
+            assert x[key] == y[key], key
+        for key in ("loss", "kl", "grad_norm", "entropy", "clip_fraction", "advantage_abs_mean"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-7), key
+    s1, s2 = (json.loads((r / "summary.json").read_text()) for r in (single, ddp))
+    assert (s1["world_size"], s2["world_size"]) == (1, 2)
+    assert s2["accuracy_before"] == s1["accuracy_before"]
+    assert s2["eval_examples_before"] == s1["eval_examples_before"]
+    # rank 0 alone writes: one line per step, samples from the whole batch
+    samples = [json.loads(x) for x in (ddp / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 4
+
+
+def test_ddp_resume_equals_uninterrupted(ddp, tmp_path):
+    run = resumed_copy(ddp, tmp_path / "run", step=2)
+    launch(run, resume=run)
+    assert metrics(run) == metrics(ddp)
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp") / "run"
+    # DAPO exercises uneven work per rank: dynamic sampling draws extra batches until every rank's
+    # quota is full, and track_kl shards a reference model too
+    launch(out, "distributed.strategy=fsdp", "algorithm=dapo", "train.track_kl=true", "train.save_every=2")
+    return out
+
+
+def test_fsdp_three_steps_complete_and_resume_exactly(fsdp, tmp_path):
+    m = metrics(fsdp)
+    assert [x["step"] for x in m] == [1, 2, 3]
+    assert all(x["kl"] is not None and x["generation_batches"] >= 1 for x in m)
+    ckpt = fsdp / "checkpoints/step-000002"
+    assert (ckpt / "optimizer/.metadata").is_file()  # torch.distributed.checkpoint, sharded
+    assert json.loads((fsdp / "summary.json").read_text())["world_size"] == 2
+    final = weights(fsdp / "final")
+    run = resumed_copy(fsdp, tmp_path / "run", step=2)
+    launch(run, resume=run)
+    assert metrics(run) == m
+    for k, v in weights(run / "final").items():
+        assert torch.equal(v, final[k]), k
+
+
+def test_fsdp_checkpoint_refuses_a_single_process_resume(fsdp, tmp_path):
+    run = resumed_copy(fsdp, tmp_path / "run", step=2)
+    cmd = [sys.executable, "-m", "grpokit", "train", "--resume", str(run)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "saved with FSDP" in proc.stderr + proc.stdout
+
+
+# -- single-process pieces -------------------------------------------------------------------
+
+
+def test_prompts_must_split_evenly_across_ranks(monkeypatch):
+    monkeypatch.setattr(trainer_module, "init_distributed", lambda *a: Dist(rank=0, world_size=3))
+    cfg = load_config("demo", ["train.prompts_per_step=8"])
+    with pytest.raises(ValueError, match="multiple of the world size 3"):
+        trainer_module.GRPOTrainer(cfg)
+
+
+def test_single_process_collectives_are_identities():
+    d = Dist()
+    assert not d.enabled and d.is_main
+    assert d.all_gather_objects({"a": 1}) == [{"a": 1}]
+    assert d.sum([1.5, 2.0]) == [1.5, 2.0] and d.max(3.0) == 3.0 and d.broadcast("x") == "x"
+    assert d.pad_plan([[0, 1], [2]]) == [[0, 1], [2]]
+
+
+def test_evaluations_of_shards_combine_to_the_whole():
+    # shard 1: 3 prompts, all verified, rewards 1, 0, 1; shard 2: 2 prompts, one unverified (None)
+    parts = [
+        {"reward_mean": 2 / 3, "accuracy": 2 / 3, "num_prompts": 3, "num_verified": 3, "examples": [1, 2, 3]},
+        {"reward_mean": 0.5, "accuracy": 1.0, "num_prompts": 2, "num_verified": 1, "examples": [4, 5]},
+    ]
+    whole = combine_evaluations(parts)
+    assert whole["reward_mean"] == pytest.approx(3 / 5)  # (2 + 1) / 5
+    assert whole["accuracy"] == pytest.approx(3 / 4)  # (2 + 1) correct of 4 verified
+    assert whole["examples"] == [1, 2, 3, 4, 5] and whole["num_prompts"] == 5
+
+
+def test_distributed_config_is_validated():
+    with pytest.raises(ConfigError, match="distributed.strategy"):
+        load_config("demo", ["distributed.strategy=zero3"])
+    with pytest.raises(ConfigError, match="distributed.backend"):
+        load_config("demo", ["distributed.backend=mpi"])
+    with pytest.raises(ConfigError, match="does not support model.lora"):
+        load_config("demo", ["distributed.strategy=fsdp", "model.lora={r: 4}"])
