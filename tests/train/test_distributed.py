@@ -183,9 +183,9 @@ def test_evaluations_of_shards_combine_to_the_whole():
 
 
 def test_distributed_config_is_validated():
-    with pytest.raises(ConfigError, match="distributed.strategy"):
+    with pytest.raises(ConfigError, match=r"distributed\.strategy"):
         load_config("demo", ["distributed.strategy=zero3"])
-    with pytest.raises(ConfigError, match="distributed.backend"):
+    with pytest.raises(ConfigError, match=r"distributed\.backend"):
         load_config("demo", ["distributed.backend=mpi"])
-    with pytest.raises(ConfigError, match="does not support model.lora"):
+    with pytest.raises(ConfigError, match=r"does not support model\.lora"):
         load_config("demo", ["distributed.strategy=fsdp", "model.lora={r: 4}"])

@@ -150,8 +150,9 @@ def shard(model, d: Dist) -> None:
 def wrap(model, d: Dist):
     """The module the update's forward/backward runs through (the model itself in one process).
 
-    DDP: buffers are not synced in forward (``forward_sync_buffers``, formerly ``broadcast_buffers``) because the buffers (rotary frequencies) are constants, and a
-    broadcast would make every forward a collective. FSDP: the model is sharded in place, and is
+    DDP: buffers are not synced in forward (``forward_sync_buffers``, formerly
+    ``broadcast_buffers``): they are constants (rotary frequencies), and a sync would make every
+    forward a collective. FSDP: the model is sharded in place, and is
     its own training module.
     """
     if not d.enabled:
@@ -159,9 +160,9 @@ def wrap(model, d: Dist):
     if d.strategy == "fsdp":
         shard(model, d)
         return model
-    from torch.nn.parallel import DistributedDataParallel
-
     import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
 
     ids = [d.local_rank] if torch.cuda.is_available() else None
     newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
