@@ -56,7 +56,7 @@ def test_saved_config_round_trips(tmp_path):
         ("rollout.top_k=-1", "rollout.top_k: must be >= 0"),
         ("rollout.stop=['']", "rollout.stop: must be a list of non-empty strings"),
         ("rollout.stop=x", "rollout.stop: expected a list, got 'x'"),
-        ("rollout.engine=vllm", "rollout.engine: 'vllm' is not allowed; choose one of builtin"),
+        ("rollout.engine=sglang", "rollout.engine: 'sglang' is not allowed; choose one of builtin, vllm"),
         ("algorithm=ppo", "algorithm: 'ppo' is not allowed; choose one of grpo"),
         ("algo.estimator=ppo", "algo.estimator: 'ppo' is not allowed; choose one of grpo, dr_grpo, rloo"),
         ("algo.estimator=dr_grpo", "algo.scale: dr_grpo means no std scaling, got 'group'"),

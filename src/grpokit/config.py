@@ -407,6 +407,11 @@ def validate(cfg: GRPOConfig) -> None:
     if r.engine == "vllm":
         from grpokit.rollout.vllm_engine import check_available
 
+        if m.lora is not None:
+            raise ConfigError(
+                "rollout.engine=vllm does not support model.lora yet (adapters would have to be merged "
+                "before every weight push); use rollout.engine=builtin with LoRA"
+            )
         check_available()  # raises ConfigError naming what is missing: the package or a GPU
     _check("rollout.group_size", r.group_size >= 2, r.group_size, "an int >= 2 (GRPO compares within groups)")
     _check("rollout.max_new_tokens", r.max_new_tokens >= 1, r.max_new_tokens, ">= 1")

@@ -229,6 +229,16 @@ def full_state_dict(model, d: Dist) -> dict | None:
     return sd if d.is_main else None
 
 
+def gathered_state_dict(model, d: Dist) -> dict:
+    """The full state dict on *every* rank, on the model's device (a collective under FSDP): what
+    a colocated inference engine on each rank loads."""
+    if not d.fsdp:
+        return unwrap(model).state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
 def load_full_state_dict(model, state: dict) -> tuple[list[str], list[str]]:
     """Load a full state dict (every rank passes the same one) into a sharded FSDP model; returns
     the (missing, unexpected) keys, as ``load_state_dict(strict=False)`` does."""

@@ -59,7 +59,14 @@ from grpokit.rewards.registry import (
 from grpokit.rollout.sampler import Rollout, SamplingParams, concat_rollouts, pad_token_id, sample
 from grpokit.train.batch import TrainBatch, accumulate_policy_gradient, batch_logprobs, plan_micro_batches
 from grpokit.train.checkpoint import TrainerState, find_checkpoint, load_checkpoint, save_checkpoint
-from grpokit.train.distributed import full_parameters, full_state_dict, init_distributed, shard, wrap
+from grpokit.train.distributed import (
+    full_parameters,
+    full_state_dict,
+    gathered_state_dict,
+    init_distributed,
+    shard,
+    wrap,
+)
 from grpokit.train.evaluate import combine_evaluations, evaluate
 from grpokit.train.metrics import RunLogger, json_safe
 
@@ -123,6 +130,7 @@ class GRPOTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.generator = torch.Generator(self.device).manual_seed(cfg.train.seed)
+        self.engine, self._engine_stale = _build_engine(cfg, tokenizer), True
         r = cfg.rollout
         self.sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop))
         self.step, self.rows_consumed, self.num_skipped_steps = 0, 0, 0
@@ -261,6 +269,7 @@ class GRPOTrainer:
         batch.advantages = self._advantages(total_B, scores)
         t2 = time.perf_counter()
         stats = self._update(batch, plans, old_logp, ref_logp)
+        self._engine_stale = True
         self._maybe_sync_reference()
         t3 = time.perf_counter()
         times = (t0, t0 + gen["time_sampling_s"], t1, t2, t3)
@@ -317,17 +326,7 @@ class GRPOTrainer:
         ):
             t = time.perf_counter()
             rows, prompts = self._next_prompts(cfg.train.prompts_per_step)
-            with full_parameters(self.model, self.dist):
-                rollout = sample(
-                    self.model,
-                    self.tokenizer,
-                    prompts,
-                    G,
-                    self.sampling,
-                    self.generator,
-                    row_offset=self.dist.rank * P * G,
-                    num_rows_total=W * P * G,
-                )
+            rollout = self._sample(prompts, P)
             sampling_s += time.perf_counter() - t
             if num_kept < P:  # else this rank is full and only keeps in step with another still drawing
                 prompts_B = [p for p in prompts for _ in range(G)]
@@ -347,6 +346,27 @@ class GRPOTrainer:
             concat_scores([k[2] for k in kept]),
             {"batches": batches, "time_sampling_s": sampling_s},
         )
+
+    def _sample(self, prompts: list[str], P: int) -> Rollout:
+        """This rank's G completions per prompt, from the built-in sampler or the vLLM engine."""
+        G, W, r = self.cfg.rollout.group_size, self.dist.world_size, self.dist.rank
+        if self.engine is None:
+            with full_parameters(self.model, self.dist):
+                return sample(
+                    self.model,
+                    self.tokenizer,
+                    prompts,
+                    G,
+                    self.sampling,
+                    self.generator,
+                    row_offset=r * P * G,
+                    num_rows_total=W * P * G,
+                )
+        if self._engine_stale:  # push the weights of the last update to vLLM
+            self.engine.load_weights(gathered_state_dict(self.model, self.dist).items())
+            self._engine_stale = False
+        seed = int(torch.randint(2**31 - 1, (1,), generator=self.generator, device=self.device))
+        return self.engine.sample(prompts, G, self.sampling, seed, first_prompt_index=r * P)
 
     def _keep_informative(
         self, kept: list, prompts_B: list[str], rollout: Rollout, scores: Scores, room: int, batch: int
@@ -636,6 +656,25 @@ def _build_data(cfg: GRPOConfig, dataset, eval_dataset) -> tuple:
     else:
         eval_rows = []
     return train, eval_rows
+
+
+def _build_engine(cfg: GRPOConfig, tokenizer):
+    """The vLLM engine for ``rollout.engine: vllm`` (None: the built-in sampler)."""
+    if cfg.rollout.engine != "vllm":
+        return None
+    from grpokit.models.loading import resolve_model_path
+    from grpokit.rollout.vllm_engine import VLLMEngine
+
+    r = cfg.rollout
+    return VLLMEngine(
+        str(resolve_model_path(cfg.model.name_or_path)),
+        tokenizer,
+        dtype=cfg.model.dtype,
+        max_new_tokens=r.max_new_tokens,
+        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        sleep=r.vllm_sleep,
+        seed=cfg.train.seed,
+    )
 
 
 def _build_rewards(cfg: GRPOConfig, rewards) -> list[WeightedReward]:
