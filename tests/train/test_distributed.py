@@ -120,6 +120,15 @@ def test_ddp_resume_equals_uninterrupted(ddp, tmp_path):
     assert metrics(run) == metrics(ddp)
 
 
+def test_ddp_trains_lora_adapters_against_the_adapter_off_reference(tmp_path):
+    pytest.importorskip("peft")
+    out = tmp_path / "run"
+    launch(out, "model.lora={r: 4}", "train.max_steps=2", "train.save_every=0")
+    m = metrics(out)
+    assert [x["step"] for x in m] == [1, 2] and m[1]["kl"] > 0  # the adapters moved off the base
+    assert (out / "final/adapter_model.safetensors").is_file()
+
+
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp") / "run"
