@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.grpokit-installed
 
-.PHONY: demo test lint format bench clean sysdeps
+.PHONY: demo test lint format bench bench-trl clean sysdeps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,11 +40,27 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format src tests benchmarks scripts
 	$(VENV)/bin/ruff check --fix src tests benchmarks scripts
 
-bench: $(STAMP) sysdeps
+bench: $(STAMP) sysdeps bench-trl
 	$(PY) benchmarks/bench_logprobs.py
+	$(PY) benchmarks/bench_logprobs.py --batch 4 --seq 1024 --vocab 151936 --hidden 1536
 	$(PY) benchmarks/bench_demo.py
 	$(PY) benchmarks/bench_sandbox.py
 	$(PY) benchmarks/bench_memory.py
+	$(PY) benchmarks/bench_rollout.py
+	$(PY) benchmarks/bench_bucketing.py
+	$(PY) benchmarks/bench_scaling.py
+
+# TRL is a peer, not a dependency: it gets a virtualenv of its own (same pinned CPU torch).
+TRL_VENV ?= .venv-trl
+TRL      ?= trl==1.16.0
+$(TRL_VENV)/.installed:
+	$(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(TRL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(TRL)"
+	touch $@
+
+bench-trl: $(STAMP) $(TRL_VENV)/.installed
+	$(PY) benchmarks/bench_trl.py --trl-python $(TRL_VENV)/bin/python
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TRL_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -5,9 +5,10 @@ its peak resident set (ru_maxrss) over the peak it had once its inputs existed, 
 numbers are comparable and measured in one run. CPU only; on a GPU use
 torch.cuda.max_memory_allocated instead (same script structure).
 
-    .venv/bin/python benchmarks/bench_logprobs.py [--batch 8 --seq 512 --vocab 32000 --hidden 512]
+    .venv/bin/python benchmarks/bench_logprobs.py [--batch 8 --seq 512 --vocab 32000 --hidden 512 --reps 5]
 
-Prints a markdown table for docs/benchmarks.md.
+Each method runs ``--reps`` times (fresh processes, interleaved); the table gives the median and
+the min-max spread. Prints a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -59,6 +61,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -77,24 +80,36 @@ def main() -> None:
         "--dtype",
         a.dtype,
     ]
-    rows = []
-    for method in METHODS:
-        out = subprocess.run(
-            [sys.executable, __file__, "--child", method, *args], check=True, capture_output=True, text=True
-        )
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    naive = rows[0]
+    runs: dict[str, list[dict]] = {m: [] for m in METHODS}
+    for _ in range(a.reps):
+        for method in METHODS:
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", method, *args],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            runs[method].append(json.loads(out.stdout.strip().splitlines()[-1]))
     logits_mib = a.batch * a.seq * a.vocab * (2 if a.dtype == "bfloat16" else 4) / 2**20
     print(
-        f"B={a.batch} T={a.seq} V={a.vocab} H={a.hidden} {a.dtype}; "
+        f"B={a.batch} T={a.seq} V={a.vocab} H={a.hidden} {a.dtype}, {a.reps} reps; "
         f"the logits tensor alone is {logits_mib:.0f} MiB\n"
     )
     print("| method | extra peak RSS, fwd+bwd (MiB) | vs naive | time fwd+bwd (s) | vs naive |")
     print("|---|---:|---:|---:|---:|")
-    for r in rows:
-        mem, sec = r["extra_peak_mib"], r["seconds"]
-        mem_ratio, sec_ratio = mem / naive["extra_peak_mib"], sec / naive["seconds"]
-        print(f"| {r['method']} | {mem:.0f} | {mem_ratio:.2f}x | {sec:.2f} | {sec_ratio:.2f}x |")
+    med = {
+        m: {k: statistics.median(r[k] for r in runs[m]) for k in ("extra_peak_mib", "seconds")}
+        for m in METHODS
+    }
+    for m in METHODS:
+        mem = [r["extra_peak_mib"] for r in runs[m]]
+        sec = [r["seconds"] for r in runs[m]]
+        print(
+            f"| {m} | {med[m]['extra_peak_mib']:.0f} ({min(mem):.0f}-{max(mem):.0f}) "
+            f"| {med[m]['extra_peak_mib'] / med['naive']['extra_peak_mib']:.2f}x "
+            f"| {med[m]['seconds']:.2f} ({min(sec):.2f}-{max(sec):.2f}) "
+            f"| {med[m]['seconds'] / med['naive']['seconds']:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ Both sample G completions for each of 4 prompts at temperature 1 from the shippe
 (HF: `num_return_sequences=G`, `do_sample=True`, `top_k=0`). Completions stop at EOS; each side is
 credited with the completion tokens it actually produced (EOS included), so the metric is
 completion tokens per second. Median and spread over `--reps` runs, interleaved.
+
+`--profile` instead profiles one grpokit sampler call (G = 16, 64 new tokens) with torch.profiler
+and prints where the time goes: the wall time, the time inside ATen operators (the tensor work),
+the rest (Python: the HF model's module code, cache and mask bookkeeping, the sampler's loop), and
+the top operators and top Python functions (cProfile) by their own time.
 """
 
 from __future__ import annotations
@@ -50,11 +55,39 @@ def ours(model, tok, G: int, n: int, seed: int) -> int:
     return int(r.completion_mask.sum())
 
 
+def profile(model, tok) -> None:
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    ours(model, tok, 16, 64, 0)  # warm-up
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        produced = ours(model, tok, 16, 64, 1)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    aten = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::")) / 1e6
+    print(f"one sampler call, G=16, 64 new tokens: {produced} tokens in {wall:.3f} s (profiled)")
+    print(f"time inside aten operators (self): {aten:.3f} s = {aten / wall:.0%} of the wall time\n")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12))
+    pr = cProfile.Profile()
+    pr.enable()
+    ours(model, tok, 16, 64, 2)
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(15)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     model, tok = load_model("tiny")
+    if a.profile:
+        profile(model, tok)
+        return
     print(f"shipped tiny model, 4 prompts, torch threads {torch.get_num_threads()}\n")
     print(
         "| G | max new tokens | grpokit tok/s (median, min-max) | HF generate tok/s (median, min-max) "

@@ -138,7 +138,7 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def shard(model, d: Dist) -> None:
+def shard(model) -> None:
     """FSDP2: ``fully_shard`` each decoder layer, then the root (embeddings, norm, head), in place."""
     from torch.distributed.fsdp import fully_shard
 
@@ -158,7 +158,7 @@ def wrap(model, d: Dist):
     if not d.enabled:
         return model
     if d.strategy == "fsdp":
-        shard(model, d)
+        shard(model)
         return model
     import inspect
 

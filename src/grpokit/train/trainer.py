@@ -123,7 +123,7 @@ class GRPOTrainer:
         self.adapter_ref = wants_ref and hasattr(model, "disable_adapter")
         self.ref_model = reference_copy(model) if wants_ref and not self.adapter_ref else None
         if self.ref_model is not None and self.dist.fsdp:
-            shard(self.ref_model, self.dist)
+            shard(self.ref_model)
         # train_module runs the update (a DDP wrapper, or the FSDP-sharded model itself); self.model
         # is the model underneath, for sampling, log-probs without gradients and saving.
         self.train_module = wrap(model, self.dist)

@@ -1,0 +1,337 @@
+"""A full GRPO step, grpokit vs TRL's GRPOTrainer: same model, data, G, batch, lengths, beta, reward.
+
+    make bench-trl            # creates .venv-trl with TRL from PyPI (torch==2.13.0 CPU), then runs this
+    .venv/bin/python benchmarks/bench_trl.py [--steps 40] [--trl-python .venv-trl/bin/python]
+
+The parent builds a Qwen2-architecture model with a few million parameters and a character
+tokenizer (saved once, loaded by both sides from the same files) and writes the addition task's
+rows to JSONL. Then it runs each trainer in its own child process, one after the other on the same
+machine: grpokit from this project's virtualenv, TRL from its own (it is not a dependency of
+grpokit). Both use: G = 8 completions per prompt, 8 prompts per step (64 completions, one
+forward/backward pass), 16 new tokens at temperature 1, beta = 0.04 with the k3 estimator,
+DeepSeekMath's per-sequence loss aggregation, group std scaling, one optimizer step per
+generation, AdamW lr 1e-4 constant, gradient clipping 1.0, seed 0, float32 on the CPU, and the
+rule reward below.
+
+Measured per child: the wall time of every step (between consecutive end-of-step hooks: grpokit's
+metrics line, TRL's ``on_step_end``), the median and min-max over the steps after the first 3
+(warm-up); the peak resident set (ru_maxrss) at the end and the resident set once the model is
+loaded; and the mean reward of the first 5 and the last 10 steps.
+
+``--profile`` (needs ``pip install py-spy``) samples each child with py-spy at 100 Hz and prints
+the share of the training loop's samples spent in each phase (sampling, log-prob passes without
+gradient, the loss's forward, backward, optimizer, rewards, the rest), classified by the
+functions on each stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+G, PROMPTS_PER_STEP, MAX_NEW, BETA, LR, SEED = 8, 8, 16, 0.04, 1e-4, 0
+WARMUP = 3
+
+
+def digit_reward(prompts, completions, answer, **_):
+    """Positional partial credit: the share of the answer's characters the completion has in place
+    (1.0 = exact answer). The same function object is used by both trainers."""
+    out = []
+    for c, a in zip(completions, answer, strict=True):
+        c = c.strip()
+        hits = sum(x == y for x, y in zip(c, a, strict=False))
+        out.append(hits / max(len(a), len(c), 1))
+    return out
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def load_tokenizer(model_dir: Path):
+    # loaded from tokenizer.json directly: AutoTokenizer on a qwen2 config would swap in
+    # Qwen2Tokenizer (transformers 5), which drops the character tokenizer's spaces
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    tok.pad_token, tok.eos_token, tok.bos_token = "<pad>", "<eos>", "<bos>"
+    tok.padding_side = "left"
+    return tok
+
+
+def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.config import load_config
+    from grpokit.train import metrics as metrics_module
+    from grpokit.train.trainer import GRPOTrainer
+
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    loaded = rss_mib()
+    cfg = load_config(
+        None,
+        [
+            f"data.path={json.dumps(str(data))}",
+            "data.task=null",
+            f"rollout.group_size={G}",
+            f"rollout.max_new_tokens={MAX_NEW}",
+            f"train.prompts_per_step={PROMPTS_PER_STEP}",
+            f"train.micro_batch_size={G * PROMPTS_PER_STEP}",
+            f"train.max_steps={steps}",
+            f"train.lr={LR}",
+            f"train.seed={SEED}",
+            f"algo.beta={BETA}",
+            "train.save_every=0",
+            "train.quiet=true",
+            "logging.report=false",
+            f"train.output_dir={json.dumps(str(out))}",
+        ],
+    )
+    stamps: list[float] = []
+    original = metrics_module.RunLogger.log_step
+
+    def log_step(self, m):
+        stamps.append(time.perf_counter())
+        original(self, m)
+
+    metrics_module.RunLogger.log_step = log_step
+    t0 = time.perf_counter()
+    GRPOTrainer(cfg, model=model, tokenizer=tok, rewards=[digit_reward]).train()
+    rewards = [json.loads(x)["reward_mean"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return _result("grpokit", t0, stamps, rewards, loaded, {"torch": torch.__version__})
+
+
+def run_trl(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    loaded = rss_mib()
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    dataset = Dataset.from_list(rows[: steps * PROMPTS_PER_STEP])
+    stamps: list[float] = []
+    rewards: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                rewards.append(float(logs["reward"]))
+
+    args = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=G * PROMPTS_PER_STEP,
+        num_generations=G,
+        gradient_accumulation_steps=1,
+        max_completion_length=MAX_NEW,
+        temperature=1.0,
+        top_p=1.0,
+        beta=BETA,
+        loss_type="grpo",  # DeepSeekMath's per-sequence mean, as grpokit's grpo preset
+        scale_rewards="group",
+        num_iterations=1,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=SEED,
+        bf16=False,
+        disable_tqdm=True,
+        shuffle_dataset=False,
+        disable_dropout=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[digit_reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        callbacks=[Clock()],
+    )
+    t0 = time.perf_counter()
+    trainer.train()
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__}
+    return _result("trl", t0, stamps, rewards, loaded, versions)
+
+
+def _result(name, t0, stamps, rewards, loaded, versions) -> dict:
+    times = [b - a for a, b in zip([t0, *stamps[:-1]], stamps, strict=True)]
+    return {
+        "name": name,
+        "step_times": times,
+        "rewards": rewards,
+        "rss_after_load_mib": loaded,
+        "peak_rss_mib": rss_mib(),
+        "versions": versions,
+    }
+
+
+def build(workdir: Path, steps: int, vocab: int) -> tuple[Path, Path, int]:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpokit.data.tasks import TaskSource
+    from grpokit.models.tiny import char_tokenizer
+
+    model_dir = workdir / "qwen2-3m"
+    tok = char_tokenizer()
+    tok.save_pretrained(model_dir)
+    torch.manual_seed(SEED)
+    config = Qwen2Config(
+        vocab_size=max(len(tok), vocab),  # ids past the tokenizer's decode to nothing, on both sides
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(model_dir)
+    source = TaskSource("addition", seed=SEED)
+    data = workdir / "addition.jsonl"
+    rows = [source.row(i) for i in range(steps * PROMPTS_PER_STEP)]
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    params = sum(p.numel() for p in model.parameters())
+    return model_dir, data, params
+
+
+# (phase, function names that mark it), in priority order: a stack belongs to the first phase one
+# of whose functions it contains (TRL's log-prob function runs both without grad, for pi_ref, and
+# inside compute_loss, so "loss forward" is checked before it)
+PHASE_MARKS = (
+    ("sampling", ("sample", "generate")),
+    ("backward", ("backward",)),
+    ("optimizer (step, clipping)", ("step", "clip_grad_norm_")),
+    ("rewards", ("score", "_calculate_rewards", "digit_reward")),
+    ("loss forward", ("accumulate_policy_gradient", "compute_loss")),
+    ("log-probs without grad (pi_ref, pi_old)", ("batch_logprobs", "_get_per_token_logps_and_entropies")),
+)
+PHASES = [p for p, _ in PHASE_MARKS] + ["rest of the loop"]
+LOOP = ("train", "_inner_training_loop")  # stacks outside these (imports, model building) are not counted
+
+
+def classify(stacks: Path) -> dict[str, float]:
+    """Share of the training loop's py-spy samples per phase (see PHASE_MARKS)."""
+    counts: dict[str, int] = {}
+    for line in stacks.read_text().splitlines():
+        frames_text, _, n = line.rpartition(" ")
+        names = {f.split(" (")[0].rsplit(".", 1)[-1] for f in frames_text.split(";")}  # drop Class.
+        if not names & set(LOOP):
+            continue
+        phase = next((p for p, marks in PHASE_MARKS if names & set(marks)), "rest of the loop")
+        counts[phase] = counts.get(phase, 0) + int(n)
+    total = sum(counts.values()) or 1
+    return {k: v / total for k, v in counts.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--trl-python", default=".venv-trl/bin/python")
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=0,
+        help="pad the model's vocabulary to this size (e.g. 151936, Qwen2's) to measure the regime "
+        "where the LM head and logits dominate; default: the character tokenizer's 83",
+    )
+    ap.add_argument("--profile", action="store_true", help="sample both children with py-spy")
+    ap.add_argument("--child", choices=["grpokit", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        fn = run_grpokit if a.child == "grpokit" else run_trl
+        print("RESULT " + json.dumps(fn(Path(a.model), Path(a.data), a.steps, Path(a.out))))
+        return
+
+    if not Path(a.trl_python).exists():
+        sys.exit(f"{a.trl_python} not found: run `make bench-trl` (it creates .venv-trl with TRL from PyPI)")
+    work = Path(tempfile.mkdtemp(prefix="bench-trl-"))
+    model_dir, data, params = build(work, a.steps, a.vocab)
+    results = {}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    phases = {}
+    for name, python in (("grpokit", sys.executable), ("trl", a.trl_python)):
+        cmd = [python, __file__, "--child", name, "--model", str(model_dir), "--data", str(data)]
+        cmd += ["--steps", str(a.steps), "--out", str(work / f"run-{name}")]
+        stacks = work / f"py-spy-{name}.txt"
+        if a.profile:
+            cmd = ["py-spy", "record", "-r", "100", "-f", "raw", "-o", str(stacks), "--", *cmd]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            sys.exit(f"{name} child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+        results[name] = json.loads(line[len("RESULT ") :])
+        if a.profile:
+            phases[name] = classify(stacks)
+
+    print(
+        f"Qwen2 architecture, {params / 1e6:.2f}M parameters (vocabulary {max(a.vocab, 83)}), "
+        f"addition task, {a.steps} steps of "
+        f"{PROMPTS_PER_STEP} prompts x G={G}, {MAX_NEW} new tokens, beta={BETA}, float32, "
+        f"torch threads {os.cpu_count()} cores; TRL {results['trl']['versions']}\n"
+    )
+    print(
+        "| trainer | s/step, median (min-max) | peak RSS (MiB) | RSS after model load (MiB) "
+        "| reward, first 5 steps | reward, last 10 steps |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    med = {}
+    for name, r in results.items():
+        t = r["step_times"][WARMUP:]
+        med[name] = statistics.median(t)
+        first, last = r["rewards"][:5], r["rewards"][-10:]
+        print(
+            f"| {name} | {med[name]:.3f} ({min(t):.3f}-{max(t):.3f}) | {r['peak_rss_mib']:.0f} "
+            f"| {r['rss_after_load_mib']:.0f} | {statistics.mean(first):.3f} | {statistics.mean(last):.3f} |"
+        )
+    g, t = results["grpokit"], results["trl"]
+    above = (g["peak_rss_mib"] - g["rss_after_load_mib"]) / (t["peak_rss_mib"] - t["rss_after_load_mib"])
+    print(
+        f"\nratios grpokit / TRL: step time {med['grpokit'] / med['trl']:.2f}x (target <= 0.3x), "
+        f"peak RSS {g['peak_rss_mib'] / t['peak_rss_mib']:.2f}x (target <= 0.7x), "
+        f"peak RSS above the loaded model {above:.2f}x"
+    )
+    if phases:
+        print("\nwhere the training loop's time goes (py-spy samples, share of the loop):\n")
+        print("| phase | " + " | ".join(phases) + " |")
+        print("|---|" + "---:|" * len(phases))
+        for phase in PHASES:
+            print(f"| {phase} | " + " | ".join(f"{p.get(phase, 0.0):.0%}" for p in phases.values()) + " |")
+    (work / "results.json").write_text(json.dumps(results))
+    print(f"raw results: {work / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
