@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from _common import SMALL_BODY, spread
+
 PLANS = ("arrival", "bucketed", "bucketed + token cap")
 B, PROMPT, ROWS = 64, 16, 16
 
@@ -63,11 +65,7 @@ def child(name: str) -> dict:
     V = 512
     cfg = LlamaConfig(
         vocab_size=V,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SMALL_BODY,
         max_position_embeddings=1024,
     )
     model = LlamaForCausalLM(cfg).eval()
@@ -119,13 +117,11 @@ def main() -> None:
         p: {k: statistics.median(r[k] for r in runs[p]) for k in ("seconds", "extra_peak_mib")} for p in PLANS
     }
     for p in PLANS:
-        s = [r["seconds"] for r in runs[p]]
-        m = [r["extra_peak_mib"] for r in runs[p]]
         print(
             f"| {p} | {runs[p][0]['mbs']} | {runs[p][0]['padded_tokens']} "
-            f"| {med[p]['seconds']:.2f} ({min(s):.2f}-{max(s):.2f}) "
+            f"| {spread([r['seconds'] for r in runs[p]])} "
             f"| {med[p]['seconds'] / med['arrival']['seconds']:.2f}x "
-            f"| {med[p]['extra_peak_mib']:.0f} ({min(m):.0f}-{max(m):.0f}) "
+            f"| {spread([r['extra_peak_mib'] for r in runs[p]], '.0f')} "
             f"| {med[p]['extra_peak_mib'] / med['arrival']['extra_peak_mib']:.2f}x |"
         )
 

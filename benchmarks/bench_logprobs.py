@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from _common import spread
+
 METHODS = ("naive", "token_logprobs", "hidden_token_logprobs")
 
 
@@ -102,12 +104,10 @@ def main() -> None:
         for m in METHODS
     }
     for m in METHODS:
-        mem = [r["extra_peak_mib"] for r in runs[m]]
-        sec = [r["seconds"] for r in runs[m]]
         print(
-            f"| {m} | {med[m]['extra_peak_mib']:.0f} ({min(mem):.0f}-{max(mem):.0f}) "
+            f"| {m} | {spread([r['extra_peak_mib'] for r in runs[m]], '.0f')} "
             f"| {med[m]['extra_peak_mib'] / med['naive']['extra_peak_mib']:.2f}x "
-            f"| {med[m]['seconds']:.2f} ({min(sec):.2f}-{max(sec):.2f}) "
+            f"| {spread([r['seconds'] for r in runs[m]])} "
             f"| {med[m]['seconds'] / med['naive']['seconds']:.2f}x |"
         )
 

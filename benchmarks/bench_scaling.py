@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from _common import SMALL_BODY, spread
+
 
 def digit_share(prompts, completions, **_):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
@@ -36,11 +38,7 @@ def model_and_tokenizer():
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=len(tok),
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SMALL_BODY,
         max_position_embeddings=1024,
         tie_word_embeddings=False,
     )
@@ -112,7 +110,7 @@ def main() -> None:
             first = first or (s, G * n)
             growth = f"{s / first[0]:.2f}x time for {G * n / first[1]:.0f}x tokens"
             print(
-                f"| {sweep} | {G} | {n} | {4 * G * n} | {s:.3f} ({min(step):.3f}-{max(step):.3f}) | {growth} "
+                f"| {sweep} | {G} | {n} | {4 * G * n} | {spread(step, '.3f')} | {growth} "
                 f"| {sam:.3f} | {sco:.4f} | {tra:.3f} | {sam / s:.0%} |"
             )
 

@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import SMALL_BODY, spread
+
 G, PROMPTS_PER_STEP, MAX_NEW, BETA, LR, SEED = 8, 8, 16, 0.04, 1e-4, 0
 WARMUP = 3
 
@@ -202,11 +204,7 @@ def build(workdir: Path, steps: int, vocab: int) -> tuple[Path, Path, int]:
     torch.manual_seed(SEED)
     config = Qwen2Config(
         vocab_size=max(len(tok), vocab),  # ids past the tokenizer's decode to nothing, on both sides
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SMALL_BODY,
         max_position_embeddings=256,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,
@@ -311,9 +309,10 @@ def main() -> None:
     for name, r in results.items():
         t = r["step_times"][WARMUP:]
         med[name] = statistics.median(t)
+        cell = spread(t, ".3f")
         first, last = r["rewards"][:5], r["rewards"][-10:]
         print(
-            f"| {name} | {med[name]:.3f} ({min(t):.3f}-{max(t):.3f}) | {r['peak_rss_mib']:.0f} "
+            f"| {name} | {cell} | {r['peak_rss_mib']:.0f} "
             f"| {r['rss_after_load_mib']:.0f} | {statistics.mean(first):.3f} | {statistics.mean(last):.3f} |"
         )
     g, t = results["grpokit"], results["trl"]
