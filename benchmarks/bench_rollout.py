@@ -11,6 +11,10 @@ completion tokens per second. Median and spread over `--reps` runs, interleaved.
 and prints where the time goes: the wall time, the time inside ATen operators (the tensor work),
 the rest (Python: the HF model's module code, cache and mask bookkeeping, the sampler's loop), and
 the top operators and top Python functions (cProfile) by their own time.
+
+`--draw` times one token draw for 64 rows at Qwen2's vocabulary (151,936): the sampler's
+inverse-CDF draw against `torch.multinomial` (what `generate` uses), 20 repetitions each,
+interleaved.
 """
 
 from __future__ import annotations
@@ -79,11 +83,37 @@ def profile(model, tok) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(15)
 
 
+def draw_cost(reps: int = 20) -> None:
+    from grpokit.rollout.sampler import _sample_next
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 151936)
+    u = torch.rand(64)
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=1)
+    times: dict[str, list[float]] = {"inverse-CDF (grpokit)": [], "torch.multinomial": []}
+    for _ in range(reps):
+        for name in times:
+            t = time.perf_counter()
+            if name == "torch.multinomial":
+                torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
+            else:
+                _sample_next(logits, params, u)
+            times[name].append(1000 * (time.perf_counter() - t))
+    print("one token draw, 64 rows x 151,936 logits (ms):")
+    for name, ts in times.items():
+        print(f"  {name}: {statistics.median(ts):.1f} ({min(ts):.1f}-{max(ts):.1f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--draw", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
+    if a.draw:
+        draw_cost()
+        return
     model, tok = load_model("tiny")
     if a.profile:
         profile(model, tok)
