@@ -84,19 +84,16 @@ def save_checkpoint(
         tmp = parent / f".tmp-{final.name}-{os.getpid()}-{time.time_ns()}"
         tmp.mkdir()
     tmp = d.broadcast(tmp)
-    if d.fsdp:
+    weights = ref_weights = None  # None: save_pretrained takes the model's own state dict
+    if d.fsdp:  # collectives: every rank takes part
         weights = distributed.full_state_dict(model, d)
         ref_weights = None if ref_model is None else distributed.full_state_dict(ref_model, d)
         distributed.save_sharded_optimizer(model, optimizer, tmp / "optimizer")
     if d.is_main:
-        if d.fsdp:
-            model.save_pretrained(tmp / "model", state_dict=weights)
-            if ref_model is not None:
-                ref_model.save_pretrained(tmp / "ref", state_dict=ref_weights)
-        else:
-            model.save_pretrained(tmp / "model")
-            if ref_model is not None:
-                ref_model.save_pretrained(tmp / "ref")
+        model.save_pretrained(tmp / "model", state_dict=weights)
+        if ref_model is not None:
+            ref_model.save_pretrained(tmp / "ref", state_dict=ref_weights)
+        if not d.fsdp:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         tokenizer.save_pretrained(tmp / "model")
         _commit(tmp, final, generator, state, keep_last)
