@@ -5,21 +5,23 @@ LoRA with the adapter-off reference, and full fine-tune with gradient checkpoint
 
 One locally built Llama-architecture model (random weights, float32) is saved once; each variant
 then runs `--steps` GRPO steps in its own child process, and reports the growth of its peak resident
-set (ru_maxrss) over its RSS after imports -- model, reference, optimizer state, activations. CPU
-only (on a GPU, torch.cuda.max_memory_allocated is the number to read). Also prints what PPO's
-critic would add: a value model the size of the policy, fp32 weights + grads + Adam moments.
+set (VmHWM, which unlike ru_maxrss does not inherit the parent's peak) over its RSS after imports --
+model, reference, optimizer state, activations. CPU only (on a GPU, torch.cuda.max_memory_allocated
+is the number to read). Also prints what PPO's critic would add: a value model the size of the
+policy, fp32 weights + grads + Adam moments.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import peak_rss_kib
 
 VARIANTS = {
     "full fine-tune + reference copy (beta 0.04)": ["algo.beta=0.04"],
@@ -36,7 +38,7 @@ def child(model_dir: str, out_dir: str, sets: list[str], steps: int) -> dict:
     from grpokit.config import load_config
     from grpokit.train.trainer import GRPOTrainer
 
-    base_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base_kib = peak_rss_kib()
     rows = [{"prompt": f"Question {i}: what is {i} plus {i}?"} for i in range(64)]
     cfg = load_config(
         None,
@@ -61,7 +63,7 @@ def child(model_dir: str, out_dir: str, sets: list[str], steps: int) -> dict:
     trainer.train()
     params = sum(p.numel() for p in trainer.model.parameters())
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kib = peak_rss_kib()
     return {
         "extra_peak_mib": (peak_kib - base_kib) / 1024,
         "seconds": time.perf_counter() - t0,

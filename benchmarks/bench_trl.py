@@ -15,8 +15,8 @@ rule reward below.
 
 Measured per child: the wall time of every step (between consecutive end-of-step hooks: grpokit's
 metrics line, TRL's ``on_step_end``), the median and min-max over the steps after the first 3
-(warm-up); the peak resident set (ru_maxrss) at the end and the resident set once the model is
-loaded; and the mean reward of the first 5 and the last 10 steps.
+(warm-up); the peak resident set (``VmHWM``) at the end and once the model is loaded; and the
+mean reward of the first 5 and the last 10 steps.
 
 ``--profile`` (needs ``pip install py-spy``) samples each child with py-spy at 100 Hz and prints
 the share of the training loop's samples spent in each phase (sampling, log-prob passes without
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import SMALL_BODY, spread
+from _common import SMALL_BODY, peak_rss_kib, spread
 
 G, PROMPTS_PER_STEP, MAX_NEW, BETA, LR, SEED = 8, 8, 16, 0.04, 1e-4, 0
 WARMUP = 3
@@ -55,7 +54,7 @@ def digit_reward(prompts, completions, answer, **_):
 
 
 def rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_rss_kib() / 1024
 
 
 def load_tokenizer(model_dir: Path):
