@@ -120,6 +120,21 @@ def test_ddp_resume_equals_uninterrupted(ddp, tmp_path):
     assert metrics(run) == metrics(ddp)
 
 
+def test_torchrun_demo_runs_on_cpu_and_prints_once(tmp_path):
+    # the acceptance line: torchrun --nproc-per-node 2 -m grpokit demo --steps 2
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "grpokit", "demo", "--steps", "2", "--quiet", "--output-dir", str(out)]
+    cmd += ["--set", "train.eval_max_prompts=20"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.count("held-out accuracy") == 1  # rank 0 alone prints the table
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2
+    assert summary["accuracy_before"] is not None and (out / "report.html").is_file()
+
+
 def test_ddp_trains_lora_adapters_against_the_adapter_off_reference(tmp_path):
     pytest.importorskip("peft")
     out = tmp_path / "run"
