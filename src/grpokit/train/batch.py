@@ -201,8 +201,7 @@ def accumulate_policy_gradient(
         num_sequences=int(num_sequences), num_tokens=int(num_tokens), num_micro_batches=int(num_micro_batches)
     )
     plan = d.pad_plan(plan)
-    keys = _TOKEN_METRICS
-    sums = dict.fromkeys(keys, 0.0)
+    sums = dict.fromkeys(_TOKEN_METRICS, 0.0)
     loss_total, ratio_max, tokens = 0.0, float("-inf"), 0
     for k, rows in enumerate(plan):
         with grad_sync(model, enabled=k == len(plan) - 1):
@@ -216,11 +215,11 @@ def accumulate_policy_gradient(
         n = int(stats.pop("num_tokens"))
         tokens += n
         ratio_max = max(ratio_max, stats.pop("ratio_max"))
-        for key in keys:
+        for key in _TOKEN_METRICS:
             sums[key] += stats[key] * n
-    loss_total, tokens, *values = d.sum([loss_total, float(tokens), *(sums[key] for key in keys)])
+    loss_total, tokens, *values = d.sum([loss_total, float(tokens), *(sums[key] for key in _TOKEN_METRICS)])
     ratio_max, tokens = d.max(ratio_max), int(tokens)
-    out = {key: v / tokens for key, v in zip(keys, values, strict=True)} if tokens else {}
+    out = {key: v / tokens for key, v in zip(_TOKEN_METRICS, values, strict=True)} if tokens else {}
     out.update(loss=loss_total, ratio_max=ratio_max if tokens else float("nan"), num_tokens=tokens)
     return out
 
@@ -269,10 +268,9 @@ def _micro_batch_backward(
     if dummy or n == 0:
         return None
     m["entropy"] = entropy[mb.completion_mask].float().mean()
-    keys = _TOKEN_METRICS
     return {
         "loss": float(loss.detach()),
         "num_tokens": n,
         "ratio_max": float(m["ratio_max"]),
-        **{key: float(m[key]) for key in keys},
+        **{key: float(m[key]) for key in _TOKEN_METRICS},
     }

@@ -387,25 +387,25 @@ class GRPOTrainer:
     def _advantages(self, total_B: torch.Tensor, scores: Scores) -> torch.Tensor:
         """Advantages of this rank's rows, computed from the whole step's rewards (gathered from
         every rank), so ``scale: batch`` sees the global batch as a single process would."""
-        per_KB = torch.stack([scores.per_reward[r.name] for r in self.rewards])
+        a, G = self.cfg.algo, self.cfg.rollout.group_size
+        decoupled = a.reward_combination == "normalize_then_sum" and len(self.rewards) > 1
+        per_KB = torch.stack([scores.per_reward[r.name] for r in self.rewards]) if decoupled else None
         parts = self.dist.all_gather_objects((total_B, per_KB))
         offset = sum(len(part[0]) for part in parts[: self.dist.rank])
-        total_all = torch.cat([part[0] for part in parts])
-        per_all = torch.cat([part[1] for part in parts], dim=1)
-        return self._global_advantages(total_all, per_all)[offset : offset + len(total_B)]
-
-    def _global_advantages(self, total_B: torch.Tensor, per_KB: torch.Tensor) -> torch.Tensor:
-        a, G = self.cfg.algo, self.cfg.rollout.group_size
-        if a.reward_combination == "normalize_then_sum" and len(self.rewards) > 1:
+        total_B, local = torch.cat([part[0] for part in parts]), slice(offset, offset + len(total_B))
+        if decoupled:
+            per_KB = torch.cat([part[1] for part in parts], dim=1)
             if torch.isnan(per_KB).any():
                 raise ValueError(
                     "algo.reward_combination=normalize_then_sum needs every reward to score every "
                     "completion, but a reward returned None"
                 )
-            return decoupled_advantages(
+            adv_B = decoupled_advantages(
                 per_KB, [r.weight for r in self.rewards], G, estimator=a.estimator, scale=a.scale, eps=a.eps
             )
-        return group_advantages(total_B, G, estimator=a.estimator, scale=a.scale, eps=a.eps)
+        else:
+            adv_B = group_advantages(total_B, G, estimator=a.estimator, scale=a.scale, eps=a.eps)
+        return adv_B[local]
 
     def _plans(self, batch: TrainBatch) -> list[list[list[int]]]:
         """One micro-batch plan per optimizer step of an inner epoch (``train.steps_per_generation``
@@ -457,7 +457,7 @@ class GRPOTrainer:
         )
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         dump = None
-        if cfg.train.dump_tensors:
+        if cfg.train.dump_tensors and self.dist.is_main:  # the run directory is rank 0's
             (self.run_dir / "tensors").mkdir(exist_ok=True)
             dump = self.run_dir / "tensors" / f"step-{self.step:06d}.pt"
         steps = []
@@ -479,7 +479,7 @@ class GRPOTrainer:
                     old_logp=old_logp,
                     ref_logp=ref_logp,
                     entropy_top_q=a.entropy_top_q,
-                    dump_path=dump if epoch == 0 and k == 0 and self.dist.is_main else None,
+                    dump_path=dump if epoch == 0 and k == 0 else None,
                     dist=self.dist,
                 )
                 self.train_module.eval()
