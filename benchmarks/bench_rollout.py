@@ -12,6 +12,11 @@ and prints where the time goes: the wall time, the time inside ATen operators (t
 the rest (Python: the HF model's module code, cache and mask bookkeeping, the sampler's loop), and
 the top operators and top Python functions (cProfile) by their own time.
 
+`--model smollm2` runs the same side-by-side on SmolLM2-135M-Instruct at G = 8: 4 word problems
+rendered with the smollm2 recipe's chat template and system prompt, 96 new tokens at temperature
+0.7, both in float32 and under bfloat16 autocast (the recipe's precision, logits in float32 on
+grpokit's side; HF `generate` under the same autocast).
+
 `--draw` times one token draw for 64 rows at Qwen2's vocabulary (151,936): the sampler's
 inverse-CDF draw against `torch.multinomial` (what `generate` uses), 20 repetitions each,
 interleaved.
@@ -20,26 +25,27 @@ interleaved.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 
-from grpokit.models.loading import load_model
+from grpokit.models.loading import keep_head_float32, load_model, mixed_precision
 from grpokit.rollout.sampler import SamplingParams, encode_prompts, sample
 
 PROMPTS = ["sort:381927=", "sort:550412=", "sort:918273=", "sort:000111="]
 
 
-def hf_generate(model, tok, G: int, n: int, seed: int) -> int:
-    ids, mask = encode_prompts(tok, PROMPTS)
+def hf_generate(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperature: float = 1.0) -> int:
+    ids, mask = encode_prompts(tok, prompts)
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,
             attention_mask=mask.long(),
             do_sample=True,
-            temperature=1.0,
+            temperature=temperature,
             top_k=0,
             top_p=1.0,
             max_new_tokens=n,
@@ -54,9 +60,50 @@ def hf_generate(model, tok, G: int, n: int, seed: int) -> int:
     return produced
 
 
-def ours(model, tok, G: int, n: int, seed: int) -> int:
-    r = sample(model, tok, PROMPTS, G, SamplingParams(max_new_tokens=n), torch.Generator().manual_seed(seed))
+def ours(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperature: float = 1.0) -> int:
+    params = SamplingParams(max_new_tokens=n, temperature=temperature)
+    r = sample(model, tok, prompts, G, params, torch.Generator().manual_seed(seed))
     return int(r.completion_mask.sum())
+
+
+def smollm2(reps: int) -> None:
+    from grpokit.config import load_config
+    from grpokit.data.datasets import build_prompt
+    from grpokit.data.tasks import TaskSource
+
+    cfg = load_config("smollm2")
+    model, tok = load_model(cfg.model.name_or_path)
+    source = TaskSource("word_problems", seed=0)
+    prompts = [
+        build_prompt(source.row(i), tok, chat_template=True, system_prompt=cfg.data.system_prompt)
+        for i in range(4)
+    ]
+    G, n, temp = 8, cfg.rollout.max_new_tokens, cfg.rollout.temperature
+    print(f"SmolLM2-135M-Instruct, 4 word problems x G={G}, {n} new tokens, T={temp}, {reps} reps\n")
+    print("| precision | grpokit tok/s (median, min-max) | HF generate tok/s (median, min-max) | ratio |")
+    print("|---|---:|---:|---:|")
+    for precision in ("float32", "bfloat16"):
+        if precision == "bfloat16":
+            keep_head_float32(model)
+        rates = {"ours": [], "hf": []}
+        for rep in range(reps):
+            for name, fn in (("ours", ours), ("hf", hf_generate)):
+                ctx = (
+                    mixed_precision("cpu", "bfloat16")
+                    if precision == "bfloat16"
+                    else contextlib.nullcontext()
+                )
+                t = time.perf_counter()
+                with ctx:
+                    produced = fn(model, tok, G, n, rep, prompts, temp)
+                rates[name].append(produced / (time.perf_counter() - t))
+        o, h = rates["ours"], rates["hf"]
+        print(
+            f"| {precision} | {statistics.median(o):.0f} ({min(o):.0f}-{max(o):.0f}) | "
+            f"{statistics.median(h):.0f} ({min(h):.0f}-{max(h):.0f}) | "
+            f"{statistics.median(o) / statistics.median(h):.2f}x |",
+            flush=True,
+        )
 
 
 def profile(model, tok) -> None:
@@ -110,9 +157,13 @@ def main() -> None:
     ap.add_argument("--draw", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     a = ap.parse_args()
     if a.draw:
         draw_cost()
+        return
+    if a.model == "smollm2":
+        smollm2(a.reps)
         return
     model, tok = load_model("tiny")
     if a.profile:

@@ -13,6 +13,12 @@ DeepSeekMath's per-sequence loss aggregation, group std scaling, one optimizer s
 generation, AdamW lr 1e-4 constant, gradient clipping 1.0, seed 0, float32 on the CPU, and the
 rule reward below.
 
+``--model smollm2`` runs the same comparison on SmolLM2-135M-Instruct (grpokit's converted copy,
+loaded by both from the same directory) on the ``word_problems`` task: prompts rendered once with
+its chat template and system prompt, G = 8, 8 prompts, 96 new tokens at temperature 0.7, beta 0,
+lr 2e-5, bfloat16 autocast on both (TRL's ``bf16=True``), the task verifier plus 0.2 x
+``boxed_format`` as one reward function: the recipe of docs/smollm2.md.
+
 Measured per child: the wall time of every step (between consecutive end-of-step hooks: grpokit's
 metrics line, TRL's ``on_step_end``), the median and min-max over the steps after the first 3
 (warm-up); the peak resident set (``VmHWM``) at the end and once the model is loaded; and the
@@ -38,8 +44,13 @@ from pathlib import Path
 
 from _common import SMALL_BODY, peak_rss_kib, spread
 
-G, PROMPTS_PER_STEP, MAX_NEW, BETA, LR, SEED = 8, 8, 16, 0.04, 1e-4, 0
+G, PROMPTS_PER_STEP, SEED = 8, 8, 0
 WARMUP = 3
+# per model: new tokens, temperature, beta, lr, bf16 autocast
+SETUPS = {
+    "qwen2-3m": dict(max_new=16, temperature=1.0, beta=0.04, lr=1e-4, bf16=False),
+    "smollm2": dict(max_new=96, temperature=0.7, beta=0.0, lr=2e-5, bf16=True),
+}
 
 
 def digit_reward(prompts, completions, answer, **_):
@@ -53,11 +64,29 @@ def digit_reward(prompts, completions, answer, **_):
     return out
 
 
+def word_problem_reward(prompts, completions, answer, **_):
+    """The smollm2 recipe's reward as one function: the task's verifier + 0.2 x boxed_format."""
+    from grpokit.data.tasks import get_task
+    from grpokit.rewards import get
+
+    verify, fmt = get_task("word_problems").verify, get("boxed_format")(prompts, completions)
+    return [verify(p, c, a) + 0.2 * f for p, c, a, f in zip(prompts, completions, answer, fmt, strict=True)]
+
+
+REWARDS = {"qwen2-3m": digit_reward, "smollm2": word_problem_reward}
+
+
 def rss_mib() -> float:
     return peak_rss_kib() / 1024
 
 
 def load_tokenizer(model_dir: Path):
+    if (model_dir / "grpokit-conversion.json").is_file():  # SmolLM2: its own BPE tokenizer
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        tok.padding_side = "left"
+        return tok
     # loaded from tokenizer.json directly: AutoTokenizer on a qwen2 config would swap in
     # Qwen2Tokenizer (transformers 5), which drops the character tokenizer's spaces
     from transformers import PreTrainedTokenizerFast
@@ -68,7 +97,7 @@ def load_tokenizer(model_dir: Path):
     return tok
 
 
-def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
+def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path, setup: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -76,6 +105,7 @@ def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
     from grpokit.train import metrics as metrics_module
     from grpokit.train.trainer import GRPOTrainer
 
+    su = SETUPS[setup]
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     loaded = rss_mib()
@@ -85,13 +115,15 @@ def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
             f"data.path={json.dumps(str(data))}",
             "data.task=null",
             f"rollout.group_size={G}",
-            f"rollout.max_new_tokens={MAX_NEW}",
+            f"rollout.max_new_tokens={su['max_new']}",
+            f"rollout.temperature={su['temperature']}",
             f"train.prompts_per_step={PROMPTS_PER_STEP}",
             f"train.micro_batch_size={G * PROMPTS_PER_STEP}",
             f"train.max_steps={steps}",
-            f"train.lr={LR}",
+            f"train.lr={su['lr']}",
             f"train.seed={SEED}",
-            f"algo.beta={BETA}",
+            f"algo.beta={su['beta']}",
+            f"model.autocast={'bfloat16' if su['bf16'] else 'null'}",
             "train.save_every=0",
             "train.quiet=true",
             "logging.report=false",
@@ -107,12 +139,12 @@ def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
 
     metrics_module.RunLogger.log_step = log_step
     t0 = time.perf_counter()
-    GRPOTrainer(cfg, model=model, tokenizer=tok, rewards=[digit_reward]).train()
+    GRPOTrainer(cfg, model=model, tokenizer=tok, rewards=[REWARDS[setup]]).train()
     rewards = [json.loads(x)["reward_mean"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     return _result("grpokit", t0, stamps, rewards, loaded, {"torch": torch.__version__})
 
 
-def run_trl(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
+def run_trl(model_dir: Path, data: Path, steps: int, out: Path, setup: str) -> dict:
     import torch
     import transformers
     import trl
@@ -120,6 +152,7 @@ def run_trl(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    su = SETUPS[setup]
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     loaded = rss_mib()
@@ -141,14 +174,14 @@ def run_trl(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
         per_device_train_batch_size=G * PROMPTS_PER_STEP,
         num_generations=G,
         gradient_accumulation_steps=1,
-        max_completion_length=MAX_NEW,
-        temperature=1.0,
+        max_completion_length=su["max_new"],
+        temperature=su["temperature"],
         top_p=1.0,
-        beta=BETA,
+        beta=su["beta"],
         loss_type="grpo",  # DeepSeekMath's per-sequence mean, as grpokit's grpo preset
         scale_rewards="group",
         num_iterations=1,
-        learning_rate=LR,
+        learning_rate=su["lr"],
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
@@ -159,14 +192,14 @@ def run_trl(model_dir: Path, data: Path, steps: int, out: Path) -> dict:
         report_to="none",
         use_cpu=True,
         seed=SEED,
-        bf16=False,
+        bf16=su["bf16"],
         disable_tqdm=True,
         shuffle_dataset=False,
         disable_dropout=True,
     )
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[digit_reward],
+        reward_funcs=[REWARDS[setup]],
         args=args,
         train_dataset=dataset,
         processing_class=tok,
@@ -188,6 +221,27 @@ def _result(name, t0, stamps, rewards, loaded, versions) -> dict:
         "peak_rss_mib": rss_mib(),
         "versions": versions,
     }
+
+
+def build_smollm2(workdir: Path, steps: int) -> tuple[Path, Path, int]:
+    """The converted SmolLM2 directory and word-problem rows rendered as the smollm2 recipe does."""
+    from grpokit.config import load_config
+    from grpokit.data.datasets import build_prompt
+    from grpokit.data.tasks import TaskSource
+    from grpokit.models.loading import resolve_model_path
+
+    cfg = load_config("smollm2")
+    model_dir = resolve_model_path(cfg.model.name_or_path)
+    tok = load_tokenizer(model_dir)
+    source = TaskSource("word_problems", seed=SEED)
+    rows = []
+    for i in range(steps * PROMPTS_PER_STEP):
+        row = source.row(i)
+        prompt = build_prompt(row, tok, chat_template=True, system_prompt=cfg.data.system_prompt)
+        rows.append({"prompt": prompt, "answer": row["answer"]})
+    data = workdir / "word_problems.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return model_dir, data, 134_515_008
 
 
 def build(workdir: Path, steps: int, vocab: int) -> tuple[Path, Path, int]:
@@ -261,26 +315,32 @@ def main() -> None:
         help="pad the model's vocabulary to this size (e.g. 151936, Qwen2's) to measure the regime "
         "where the LM head and logits dominate; default: the character tokenizer's 83",
     )
+    ap.add_argument("--model", choices=tuple(SETUPS), default="qwen2-3m", help="which comparison (see above)")
     ap.add_argument("--profile", action="store_true", help="sample both children with py-spy")
     ap.add_argument("--child", choices=["grpokit", "trl"], help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         fn = run_grpokit if a.child == "grpokit" else run_trl
-        print("RESULT " + json.dumps(fn(Path(a.model), Path(a.data), a.steps, Path(a.out))))
+        result = fn(Path(a.model_dir), Path(a.data), a.steps, Path(a.out), a.model)
+        print("RESULT " + json.dumps(result))
         return
 
     if not Path(a.trl_python).exists():
         sys.exit(f"{a.trl_python} not found: run `make bench-trl` (it creates .venv-trl with TRL from PyPI)")
     work = Path(tempfile.mkdtemp(prefix="bench-trl-"))
-    model_dir, data, params = build(work, a.steps, a.vocab)
+    if a.model == "smollm2":
+        model_dir, data, params = build_smollm2(work, a.steps)
+    else:
+        model_dir, data, params = build(work, a.steps, a.vocab)
     results = {}
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     phases = {}
     for name, python in (("grpokit", sys.executable), ("trl", a.trl_python)):
-        cmd = [python, __file__, "--child", name, "--model", str(model_dir), "--data", str(data)]
+        cmd = [python, __file__, "--child", name, "--model", a.model, "--model-dir", str(model_dir)]
+        cmd += ["--data", str(data)]
         cmd += ["--steps", str(a.steps), "--out", str(work / f"run-{name}")]
         stacks = work / f"py-spy-{name}.txt"
         if a.profile:
@@ -293,10 +353,17 @@ def main() -> None:
         if a.profile:
             phases[name] = classify(stacks)
 
+    su = SETUPS[a.model]
+    what = (
+        "SmolLM2-135M-Instruct, word_problems task"
+        if a.model == "smollm2"
+        else f"Qwen2 architecture, {params / 1e6:.2f}M parameters (vocabulary {max(a.vocab, 83)}), "
+        "addition task"
+    )
     print(
-        f"Qwen2 architecture, {params / 1e6:.2f}M parameters (vocabulary {max(a.vocab, 83)}), "
-        f"addition task, {a.steps} steps of "
-        f"{PROMPTS_PER_STEP} prompts x G={G}, {MAX_NEW} new tokens, beta={BETA}, float32, "
+        f"{what}, {a.steps} steps of "
+        f"{PROMPTS_PER_STEP} prompts x G={G}, {su['max_new']} new tokens at T={su['temperature']}, "
+        f"beta={su['beta']}, {'bfloat16 autocast' if su['bf16'] else 'float32'}, "
         f"torch threads {os.cpu_count()} cores; TRL {results['trl']['versions']}\n"
     )
     print(

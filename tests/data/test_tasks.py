@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 
 import pytest
@@ -125,7 +126,9 @@ def test_difficulty_knob_and_load_task():
     assert len(loaded.eval_rows) == 50
     row = loaded.train.row(0)
     assert loaded.reward([row["prompt"]] * 2, [row["answer"], "x"], answer=[row["answer"]] * 2) == [1.0, 0.0]
-    with pytest.raises(ValueError, match="unknown task 'chess'; built-in tasks: addition, sort, countdown"):
+    with pytest.raises(
+        ValueError, match="unknown task 'chess'; built-in tasks: addition, sort, countdown, word_problems"
+    ):
         load_task("chess")
     with pytest.raises(ValueError, match="difficulty must be >= 1"):
         TaskSource("sort", difficulty=0)
@@ -134,3 +137,65 @@ def test_difficulty_knob_and_load_task():
 def test_task_verifier_is_a_registered_verifier_reward():
     reward = get("task_verifier", task="sort")
     assert reward(["sort:21="], ["12"], answer=["12"]) == [1.0]
+
+
+def _solve_word_problem(prompt: str) -> tuple[int, int]:
+    """An independent reading of a word problem: (answer, number of operations)."""
+    sentences = re.findall(r"[^.?]+[.?]", prompt)
+    value, ops = int(re.match(r"\w+ has (\d+) \w+\.", sentences[0].strip()).group(1)), 0
+    for s in sentences[1:]:
+        s = s.strip()
+        if m := re.search(r"gets (\d+) more|gives \w+ (\d+) more", s):
+            value += int(m.group(1) or m.group(2))
+        elif m := re.search(r"gives away (\d+)|loses (\d+) of them", s):
+            value -= int(m.group(1) or m.group(2))
+        elif m := re.search(r"becomes (\d+) times as many", s):
+            value *= int(m.group(1))
+        elif m := re.search(r"into (\d+) bags", s):
+            assert value % int(m.group(1)) == 0, prompt
+            value //= int(m.group(1))
+        else:
+            continue  # the question and the answer instruction
+        ops += 1
+        assert 0 <= value <= 200, prompt
+    return value, ops
+
+
+def test_word_problems_have_integer_answers_and_one_to_three_operations():
+    source = TaskSource("word_problems", seed=0)
+    counts = {1: 0, 2: 0, 3: 0}
+    for i in range(300):
+        row = source.row(i)
+        value, ops = _solve_word_problem(row["prompt"])
+        assert str(value) == row["answer"], row
+        counts[ops] += 1
+        assert row["prompt"].endswith("Put the final answer, a whole number, in \\boxed{}.")
+    assert min(counts.values()) > 60, counts  # each of 1, 2, 3 operations is common
+    assert {
+        _solve_word_problem(TaskSource("word_problems", difficulty=1).row(i)["prompt"])[1] for i in range(50)
+    } == {1}
+
+
+@pytest.mark.parametrize(
+    "completion,expected",
+    [
+        ("12 + 3 = 15. So the answer is \\boxed{15}.", 1.0),
+        ("\\boxed{ 15 }", 1.0),
+        ("She has 15 apples now.", 1.0),  # no box: the last number
+        ("She had 15, then 12.", 0.0),
+        ("\\boxed{15} or \\boxed{16}", 0.0),  # a hedge
+        ("15 or 16", 0.0),
+        ("\\boxed{16}, not 15", 0.0),  # the box wins over the last number
+        ("\\boxed{15.5}", 0.0),
+        ("\\boxed{1,200}", 0.0),  # thousands separators are read: 1200
+        ("", 0.0),
+    ],
+)
+def test_word_problem_verifier_reads_the_box_or_the_final_number(completion, expected):
+    assert verify("word_problems", "p", completion, "15") == expected
+
+
+def test_boxed_format_reward():
+    reward = get("boxed_format")
+    got = reward(None, ["so \\boxed{12}.", "\\boxed{1} then \\boxed{2}", "\\boxed{x}", "12", "\\boxed{ -3 }"])
+    assert got == [1.0, 0.0, 0.0, 0.0, 1.0]

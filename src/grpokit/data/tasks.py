@@ -135,6 +135,59 @@ def _verify_countdown(prompt: str, completion: str) -> float:
     return 1.0 if used == numbers and value is not None and value == target else 0.0
 
 
+# --- Word problems: grade-school arithmetic in sentences, for pretrained instruct models. --------
+
+_NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Lily", "Max", "Nora", "Ben", "Emma", "Jack")
+_ITEMS = ("apples", "stickers", "marbles", "pencils", "cookies", "coins", "books", "shells", "cards")
+WORD_PROBLEM_INSTRUCTION = "Put the final answer, a whole number, in \\boxed{}."
+
+
+def _make_word_problem(rng: random.Random, max_ops: int) -> tuple[str, str]:
+    """A quantity changed by 1..``max_ops`` operations (+ - * /), one sentence each; every
+    intermediate value is a non-negative integer <= 200, so the answer is a whole number."""
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    value = rng.randint(2, 20)
+    sentences = [f"{name} has {value} {item}."]
+    for _ in range(rng.randint(1, max_ops)):
+        ops = ["add", "sub"] + (["mul"] if value <= 40 else []) + (["div"] if _divisors(value) else [])
+        op = rng.choice([o for o in ops if o != "sub" or value >= 2])
+        if op == "add":
+            n = rng.randint(2, 20)
+            value += n
+            sentences.append(rng.choice([f"Then {name} gets {n} more.", f"A friend gives {name} {n} more."]))
+        elif op == "sub":
+            n = rng.randint(1, min(value - 1, 20))
+            value -= n
+            sentences.append(rng.choice([f"Then {name} gives away {n}.", f"{name} loses {n} of them."]))
+        elif op == "mul":
+            n = rng.randint(2, min(5, 200 // value))
+            value *= n
+            sentences.append(f"Then the number of {item} becomes {n} times as many.")
+        else:
+            n = rng.choice(_divisors(value))
+            value //= n
+            sentences.append(f"{name} splits them equally into {n} bags and keeps one bag.")
+    sentences.append(f"How many {item} does {name} have now? {WORD_PROBLEM_INSTRUCTION}")
+    return " ".join(sentences), str(value)
+
+
+def _divisors(value: int) -> list[int]:
+    return [d for d in range(2, 6) if value % d == 0 and value // d >= 1]
+
+
+def _verify_final_number(prompt: str, completion: str, answer: str) -> float:
+    r"""1.0 iff the completion's final answer is the integer ``answer``: the last ``oxed{}`` if
+    there is one, else the last number in the text (extraction as ``math_accuracy``'s); several
+    different boxed answers (a hedge) score 0."""
+    from grpokit.rewards.math import extract_answer, is_hedged
+
+    got = extract_answer(completion)
+    if got is None or is_hedged(completion, got):
+        return 0.0
+    got = got.replace(",", "").strip().rstrip(".")
+    return 1.0 if re.fullmatch(r"-?\d+", got) is not None and int(got) == int(answer) else 0.0
+
+
 TASKS: dict[str, Task] = {
     "addition": Task(
         "addition",
@@ -156,6 +209,14 @@ TASKS: dict[str, Task] = {
         "using each number once with + - * / ( ) that equals the target",
         _make_countdown,
         lambda prompt, completion, answer: _verify_countdown(prompt, completion),
+        default_difficulty=3,
+    ),
+    "word_problems": Task(
+        "word_problems",
+        "grade-school arithmetic in 1-`difficulty` sentences of + - * / on one quantity (integers); "
+        "answer: the final count, read from \\boxed{} or the last number",
+        _make_word_problem,
+        _verify_final_number,
         default_difficulty=3,
     ),
 }

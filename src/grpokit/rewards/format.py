@@ -3,6 +3,7 @@
 What it does: small, deterministic rewards over the completion text (and its token count, from
 the ``completion_ids`` column the trainer passes to every reward):
 ``think_format`` (R1's ``<think>...</think><answer>...</answer>``, strict or soft), ``tag_count``,
+``boxed_format`` (exactly one ``\\boxed{}`` holding a number),
 ``repetition`` (n-gram repetition penalty), ``overlong`` (DAPO's soft overlong punishment) and
 ``length`` (cosine length scaling of a correctness reward).
 
@@ -53,6 +54,24 @@ def tag_count():
         return [sum(0.25 for t in tags if c.count(t) == 1) for c in completions]
 
     reward.__name__ = "tag_count"
+    return reward
+
+
+_BOXED_NUMBER = re.compile(r"\\boxed\{\s*-?\d[\d,]*(?:\.\d+)?\s*\}")
+
+
+@register("boxed_format")
+def boxed_format():
+    r"""1.0 if the completion holds exactly one ``\boxed{...}`` and it is a plain number, else 0.0.
+
+    The shaping reward of the ``word_problems`` task: it pays for the answer format the verifier
+    reads first, whether or not the number is right (the verifier pays for that).
+    """
+
+    def reward(prompts, completions, **_):
+        return [1.0 if c.count("\\boxed") == 1 and _BOXED_NUMBER.search(c) else 0.0 for c in completions]
+
+    reward.__name__ = "boxed_format"
     return reward
 
 

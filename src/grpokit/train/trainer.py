@@ -44,7 +44,7 @@ from grpokit.data.datasets import RowsSource, build_prompt, check_rows, load_row
 from grpokit.data.tasks import TaskSource
 from grpokit.diagnostics.hacking import HackingMonitor
 from grpokit.errors import CheckpointError, TrainingInterrupted
-from grpokit.models.loading import load_model, reference_copy
+from grpokit.models.loading import keep_head_float32, load_model, mixed_precision, reference_copy
 from grpokit.report import write_report
 from grpokit.rewards.registry import (
     ParallelReward,
@@ -111,11 +111,14 @@ class GRPOTrainer:
                 device,
                 lora=cfg.model.lora,
                 gradient_checkpointing=cfg.model.gradient_checkpointing,
+                gguf_file=cfg.model.gguf_file,
             )
         if tokenizer is None:
             raise ValueError("a model was given without its tokenizer; pass tokenizer= too")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.device = next(model.parameters()).device
+        if cfg.model.autocast is not None:
+            keep_head_float32(model)  # before the reference copy, which then keeps it too
         self.pad_id = pad_token_id(tokenizer)
         self.num_filtered_prompts = self._filter_long_prompts()
         # With LoRA the reference is the base model itself, adapters switched off: no second copy.
@@ -171,7 +174,8 @@ class GRPOTrainer:
             try:
                 while self.step < cfg.train.max_steps:
                     self.step += 1
-                    last, samples = self.train_step()
+                    with mixed_precision(self.device, cfg.model.autocast):
+                        last, samples = self.train_step()
                     stop_reason = self.dist.broadcast(self._watch(last, logger))
                     if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                         ev = self._evaluate()
@@ -570,7 +574,10 @@ class GRPOTrainer:
         rows = rows[r * len(rows) // W : (r + 1) * len(rows) // W]
         result = {"reward_mean": 0.0, "accuracy": None, "num_prompts": 0, "num_verified": 0, "examples": []}
         if rows:
-            with full_parameters(self.model, self.dist):
+            with (
+                full_parameters(self.model, self.dist),
+                mixed_precision(self.device, self.cfg.model.autocast),
+            ):
                 result = evaluate(
                     self.model,
                     self.tokenizer,
@@ -667,7 +674,7 @@ def _build_engine(cfg: GRPOConfig, tokenizer):
 
     r = cfg.rollout
     return VLLMEngine(
-        str(resolve_model_path(cfg.model.name_or_path)),
+        str(resolve_model_path(cfg.model.name_or_path, cfg.model.gguf_file)),
         tokenizer,
         dtype=cfg.model.dtype,
         max_new_tokens=r.max_new_tokens,

@@ -1,0 +1,71 @@
+"""bfloat16 autocast (model.autocast): float32 logits, a reference with its own head, a real run."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from grpokit.config import load_config
+from grpokit.models.loading import keep_head_float32, load_model, mixed_precision, reference_copy
+from grpokit.train.trainer import GRPOTrainer
+from tests.helpers import varied
+
+
+def test_head_stays_float32_under_autocast_and_the_body_does_not(tiny_dir):
+    model, _ = load_model(str(tiny_dir))
+    ids = torch.randint(3, 60, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact = model(ids).logits
+        with mixed_precision("cpu", "bfloat16"):
+            plain = model(ids).logits
+            keep_head_float32(model)
+            kept = model(ids).logits
+    assert plain.dtype == torch.bfloat16 and kept.dtype == torch.float32
+    # the body ran in bfloat16 (not float32), the head in float32: closer than bf16 logits, not exact
+    assert 0 < (kept - exact).abs().max() < (plain.float() - exact).abs().max()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, exact)  # outside autocast nothing changed
+    assert mixed_precision("cpu", None).__enter__() is None  # null: a no-op context
+
+
+def test_reference_copy_keeps_its_own_float32_head(tiny_dir):
+    model, _ = load_model(str(tiny_dir))
+    keep_head_float32(model)
+    ref = reference_copy(model)
+    ids = torch.randint(3, 60, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = ref(ids).logits
+        model.get_output_embeddings().weight.add_(1.0)  # the policy moves; the copy must not see it
+        with mixed_precision("cpu", "bfloat16"):
+            assert ref(ids).logits.dtype == torch.float32
+        assert torch.equal(ref(ids).logits, before)
+        assert not torch.equal(model(ids).logits, before)
+
+
+def test_a_run_under_bfloat16_autocast_trains_float32_weights(tmp_path, tiny_dir):
+    sets = {
+        "model.name_or_path": str(tiny_dir),
+        "model.autocast": "bfloat16",
+        "train.output_dir": str(tmp_path / "run"),
+        "train.quiet": True,
+        "train.max_steps": 2,
+        "train.prompts_per_step": 4,
+        "rollout.group_size": 4,
+        "rollout.max_new_tokens": 6,
+        "rollout.temperature": 1.2,
+        "train.eval_max_prompts": 8,
+        "algo.beta": 0.04,
+        "train.mu": 2,
+    }
+    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in sets.items()])
+    trainer = GRPOTrainer(cfg, rewards=[varied])  # spread in every group: a real update
+    start = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    summary = trainer.train()
+    assert summary["steps"] == 2
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert any(not torch.equal(start[k], v) for k, v in trainer.model.named_parameters())
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert all(isinstance(r[k], float) and r[k] == r[k] for k in ("loss", "kl", "grad_norm"))
+        assert r["ratio_max"] > 0
