@@ -5,8 +5,15 @@ loads a user's own ``module.path:function``, and scores a batch with several rew
 each reward's values are checked (length, finiteness) and the weighted sum is formed, with
 ``None`` meaning "not applicable to this sample" (it contributes nothing).
 
-The reward contract (TRL-compatible): ``reward(prompts, completions, **columns) -> list[float | None]``
-where ``columns`` holds the dataset's other columns, one value per completion.
+The reward contract is TRL's: a reward is called **by keyword**,
+``reward(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_metric=...,
+log_extra=..., **columns) -> list[float | None]``, where ``columns`` holds the dataset's other
+columns, one value per completion. With conversational prompts (message lists) a user reward gets
+the prompts as message lists and each completion as ``[{"role": "assistant", "content": text}]``;
+``async def`` rewards are awaited, all of a batch's concurrently. A function without ``**kwargs``
+gets only the arguments it names. grpokit's built-in rewards always get text and the columns. A
+function whose parameters are named neither ``prompts`` nor ``completions`` is called the older
+grpokit way, ``fn(prompts, completions, **columns)`` (docs/rewards.md has the table).
 
 What it deliberately does not do: turn rewards into advantages (``grpokit.algo``), or hide a
 broken reward: NaN or inf from a reward raises, naming the reward and the sample.
@@ -14,10 +21,13 @@ broken reward: NaN or inf from a reward raises, naming the reward and the sample
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import importlib
 import inspect
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -62,7 +72,9 @@ def get(name: str, **options) -> RewardFn:
     """
     _load_builtins()
     if name in _FACTORIES:
-        return _FACTORIES[name](**options)
+        fn = _FACTORIES[name](**options)
+        fn._grpokit_builtin = True  # called with text completions and the columns only
+        return fn
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
@@ -74,12 +86,7 @@ def get(name: str, **options) -> RewardFn:
         if not callable(fn):
             raise ValueError(f"reward {name!r} is not callable")
         if options:
-            inner = fn
-
-            def fn(prompts, completions, **columns):
-                return inner(prompts, completions, **columns, **options)
-
-            fn.__name__ = getattr(inner, "__name__", name)
+            fn = functools.update_wrapper(functools.partial(fn, **options), fn)
         return fn
     raise ValueError(
         f"unknown reward {name!r}; registered rewards: {', '.join(names())}, or give 'module.path:function'"
@@ -114,6 +121,8 @@ class Scores:
     verifier: torch.Tensor | None  # [B] mean of the verifier rewards that applied, NaN if none did
     num_unscored: int  # completions for which every reward returned None (total is 0 there)
     num_failed: int = 0  # completions a reward failed on (raised under error=zero, or timed out inside)
+    logged_metrics: dict[str, float] = field(default_factory=dict)  # log_metric(name, value): batch means
+    extra_columns: dict[str, list] = field(default_factory=dict)  # log_extra(column, values): [B] each
 
     def take(self, rows: list[int]) -> Scores:
         """The scores of a subset of rows, in that order."""
@@ -122,19 +131,28 @@ class Scores:
         per = {k: v[idx] for k, v in self.per_reward.items()}
         verifier = None if self.verifier is None else self.verifier[idx]
         unscored = int(torch.stack([torch.isnan(v) for v in per.values()]).all(dim=0).sum()) if per else 0
-        return Scores(total, per, verifier, unscored, self.num_failed)
+        extra = {k: [v[i] for i in rows] for k, v in self.extra_columns.items()}
+        return Scores(total, per, verifier, unscored, self.num_failed, dict(self.logged_metrics), extra)
 
 
 def concat_scores(parts: list[Scores]) -> Scores:
     """Scores of several batches, rows one batch after the other."""
     verifier = None if parts[0].verifier is None else torch.cat([p.verifier for p in parts])
     per = {k: torch.cat([p.per_reward[k] for p in parts]) for k in parts[0].per_reward}
+    metrics: dict[str, list[float]] = {}
+    for p in parts:
+        for k, v in p.logged_metrics.items():
+            metrics.setdefault(k, []).append(v)
+    keys = dict.fromkeys(k for part in parts for k in part.extra_columns)
+    extra = {k: [x for p in parts for x in p.extra_columns.get(k, [None] * len(p.total))] for k in keys}
     return Scores(
         torch.cat([p.total for p in parts]),
         per,
         verifier,
         sum(p.num_unscored for p in parts),
         sum(p.num_failed for p in parts),
+        {k: sum(v) / len(v) for k, v in metrics.items()},
+        extra,
     )
 
 
@@ -150,28 +168,102 @@ def reward_columns(
     return columns
 
 
+def conversational_prompts(rows: list[dict], repeat: int, prompt_column: str = "prompt") -> list | None:
+    """The rows' prompts as message lists, each repeated ``repeat`` times (TRL gives conversational
+    prompts to rewards this way), or None when the prompts are text."""
+    if not rows or not isinstance(rows[0].get(prompt_column), list):
+        return None
+    return [r[prompt_column] for r in rows for _ in range(repeat)]
+
+
+@dataclass
+class TrainerProgress:
+    """What a reward receives as ``trainer_state`` (TRL passes transformers' TrainerState): the step
+    being scored (1-based; 0 outside training), the epoch as a float (rows consumed / dataset
+    rows; 0 for endless built-in tasks), and the run's ``max_steps``."""
+
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = 0
+
+
 def score(
     rewards: list[WeightedReward],
     prompts: list[str],
     completions: list[str],
     columns: dict[str, list],
     completion_ids: list[list[int]] | None = None,
+    *,
+    messages: list[list[dict]] | None = None,
+    state: TrainerProgress | None = None,
 ) -> Scores:
     """Call every reward on the batch and combine them: ``total = sum_k w_k r_k`` over non-None values.
 
-    ``completion_ids`` (each completion's tokens) is passed to the rewards as a column, as TRL does.
+    Args:
+        prompts, completions: the B rendered prompt texts and completion texts.
+        columns: the dataset's other columns, B values each (``reward_columns``).
+        completion_ids: each completion's tokens, passed as ``completion_ids`` as TRL does.
+        messages: the B conversational prompts (message lists) when the dataset's prompts are
+            conversational: user rewards then get them as ``prompts`` and each completion as an
+            assistant message list, as in TRL. None: text prompts.
+        state: passed to user rewards as ``trainer_state``.
     """
-    if completion_ids is not None:
-        columns = {**columns, "completion_ids": completion_ids}
     B = len(completions)
+    metrics: dict[str, list[float]] = {}
+    extra: dict[str, list] = {}
+
+    def log_metric(name: str, value: float) -> None:
+        metrics.setdefault(str(name), []).append(float(value))
+
+    def log_extra(column: str, values: list) -> None:
+        if len(values) != B:
+            raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {B} completions")
+        extra.setdefault(str(column), []).extend(values)
+
+    text = {"prompts": prompts, "completions": completions, **columns}
+    if completion_ids is not None:
+        text["completion_ids"] = completion_ids
+    trl = {
+        **text,
+        "trainer_state": state or TrainerProgress(),
+        "log_metric": log_metric,
+        "log_extra": log_extra,
+    }
+    if messages is not None:
+        trl["prompts"] = messages
+        trl["completions"] = [[{"role": "assistant", "content": c}] for c in completions]
+    raw: dict[int, object] = {}
+    errors: dict[int, Exception] = {}
+    pending = []
+    for k, spec in enumerate(rewards):
+        kwargs = text if getattr(spec.fn, "_grpokit_builtin", False) else trl
+        try:
+            out = _invoke(spec.fn, kwargs)
+        except Exception as e:
+            errors[k] = e
+            continue
+        if inspect.isawaitable(out):
+            pending.append((k, out))
+        else:
+            raw[k] = out
+    if pending:  # every async reward of the batch at once, as TRL does
+        results = _run_async([aw for _, aw in pending])
+        for (k, _), res in zip(pending, results, strict=True):
+            if isinstance(res, BaseException):
+                errors[k] = res
+            else:
+                raw[k] = res
+
     total = torch.zeros(B, dtype=torch.float64)
     applied = torch.zeros(B, dtype=torch.bool)
     per_reward: dict[str, torch.Tensor] = {}
     verifier_values = []
     failed = 0
-    for spec in rewards:
+    for k, spec in enumerate(rewards):
         try:
-            values = _call(spec, prompts, completions, columns)
+            if k in errors:
+                raise errors[k]
+            values = _check(spec, raw[k], completions)
             failed += int(getattr(spec.fn, "last_failures", 0) or 0)
         except Exception as e:
             if spec.error != "zero":
@@ -188,11 +280,51 @@ def score(
         if spec.verifier:
             verifier_values.append(values)
     verifier = torch.stack(verifier_values).nanmean(dim=0).float() if verifier_values else None
-    return Scores(total.float(), per_reward, verifier, int((~applied).sum()), failed)
+    logged = {k: sum(v) / len(v) for k, v in metrics.items()}
+    return Scores(total.float(), per_reward, verifier, int((~applied).sum()), failed, logged, extra)
 
 
-def _call(spec: WeightedReward, prompts, completions, columns) -> torch.Tensor:
-    out = spec.fn(prompts, completions, **columns)
+_SIGNATURES: dict[int, inspect.Signature | None] = {}
+
+
+def _invoke(fn: RewardFn, kwargs: dict):
+    """Call ``fn`` by keyword with what it accepts (all of ``kwargs`` when it takes ``**kwargs``);
+    a function naming neither ``prompts`` nor ``completions`` is called positionally with them."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: the plain contract
+        return fn(**kwargs)
+    if "prompts" not in params and "completions" not in params:
+        positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params.values()):
+            rest = {k: v for k, v in kwargs.items() if k not in ("prompts", "completions")}
+            if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                rest = {k: v for k, v in rest.items() if k in params}
+            return fn(kwargs["prompts"], kwargs["completions"], **rest)
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return fn(**kwargs)
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def _run_async(awaitables: list) -> list:
+    """Await them concurrently; results (or the exceptions raised) in order. Inside a running event
+    loop (a notebook) they run on a loop of their own in a helper thread."""
+
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(asyncio.run(gather())))
+    thread.start()
+    thread.join()
+    return box[0]
+
+
+def _check(spec: WeightedReward, out, completions: list[str]) -> torch.Tensor:
     if inspect.isgenerator(out):
         out = list(out)
     if len(out) != len(completions):
@@ -229,6 +361,8 @@ class ParallelReward:
     that raises or times out scores 0 under ``error="zero"`` (counted in ``last_failures``), or
     stops the run under ``error="raise"``.
     """
+
+    _grpokit_builtin = True  # it gets text and the columns (no callables to send to a worker)
 
     def __init__(self, name: str, options: dict, workers: int, timeout_s: float, error: str) -> None:
         from grpokit.rewards.workers import shared_pool

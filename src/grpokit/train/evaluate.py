@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-from grpokit.rewards.registry import WeightedReward, reward_columns, score
+from grpokit.rewards.registry import WeightedReward, conversational_prompts, reward_columns, score
 from grpokit.rollout.sampler import SamplingParams, sample
 
 
@@ -49,7 +49,9 @@ def evaluate(
         chunk_rows, chunk_prompts = rows[s : s + batch_size], prompts[s : s + batch_size]
         rollout = sample(model, tokenizer, chunk_prompts, 1, params)
         columns = reward_columns(chunk_rows, 1, prompt_column, answer_column)
-        scores = score(rewards, chunk_prompts, rollout.completions, columns, rollout.completion_token_lists())
+        messages = conversational_prompts(chunk_rows, 1, prompt_column)
+        ids = rollout.completion_token_lists()
+        scores = score(rewards, chunk_prompts, rollout.completions, columns, ids, messages=messages)
         totals.append(scores.total)
         if scores.verifier is not None:
             verified.append(scores.verifier)
@@ -139,7 +141,9 @@ def evaluate_sampled(
         rollout = sample(model, tokenizer, chunk_prompts, n, params, generator)
         columns = reward_columns(chunk_rows, n, prompt_column, answer_column)
         prompts_n = [p for p in chunk_prompts for _ in range(n)]
-        scores = score(rewards, prompts_n, rollout.completions, columns, rollout.completion_token_lists())
+        messages = conversational_prompts(chunk_rows, n, prompt_column)
+        ids = rollout.completion_token_lists()
+        scores = score(rewards, prompts_n, rollout.completions, columns, ids, messages=messages)
         totals.append(scores.total)
         ok = (scores.verifier == 1.0).tolist()
         for i in range(len(chunk_prompts)):

@@ -49,8 +49,10 @@ from grpokit.report import write_report
 from grpokit.rewards.registry import (
     ParallelReward,
     Scores,
+    TrainerProgress,
     WeightedReward,
     concat_scores,
+    conversational_prompts,
     get,
     is_verifier,
     reward_columns,
@@ -287,6 +289,12 @@ class GRPOTrainer:
         else:
             adv_B = batch.advantages
         metrics = _step_metrics(self.step, rollout, scores, adv_B, stats, times)
+        for name, value in scores.logged_metrics.items():  # the rewards' log_metric calls
+            if name in metrics:
+                raise ValueError(
+                    f"a reward's log_metric({name!r}, ...) would overwrite grpokit's metric {name!r}"
+                )
+            metrics[name] = value
         metrics.update(num_skipped_steps=self.num_skipped_steps, generation_batches=gen["batches"])
         self._last_completions = rollout.completions
         return metrics, self._sample_rows(prompts_B, rollout, scores, adv_B)
@@ -336,7 +344,13 @@ class GRPOTrainer:
                 prompts_B = [p for p in prompts for _ in range(G)]
                 columns = reward_columns(rows, G, cfg.data.prompt_column, cfg.data.answer_column)
                 scores = score(
-                    self.rewards, prompts_B, rollout.completions, columns, rollout.completion_token_lists()
+                    self.rewards,
+                    prompts_B,
+                    rollout.completions,
+                    columns,
+                    rollout.completion_token_lists(),
+                    messages=conversational_prompts(rows, G, cfg.data.prompt_column),
+                    state=self._progress(),
                 )
                 if not cfg.algo.dynamic_sampling:
                     return prompts_B, rollout, scores, {"batches": 1, "time_sampling_s": sampling_s}
@@ -371,6 +385,12 @@ class GRPOTrainer:
             self._engine_stale = False
         seed = int(torch.randint(2**31 - 1, (1,), generator=self.generator, device=self.device))
         return self.engine.sample(prompts, G, self.sampling, seed, first_prompt_index=r * P)
+
+    def _progress(self) -> TrainerProgress:
+        """``trainer_state`` for the rewards: the step, the epoch over a finite dataset, max_steps."""
+        n = len(self.train_source) if isinstance(self.train_source, RowsSource) else 0
+        epoch = self.rows_consumed / n if n else 0.0
+        return TrainerProgress(self.step, epoch, self.cfg.train.max_steps)
 
     def _keep_informative(
         self, kept: list, prompts_B: list[str], rollout: Rollout, scores: Scores, room: int, batch: int
@@ -602,6 +622,11 @@ class GRPOTrainer:
                 "reward": float(scores.total[i]),
                 "advantage": float(adv_B[i]),
                 "rewards": {k: float(v[i]) for k, v in scores.per_reward.items()},
+                **(
+                    {"extra": {k: json_safe(v[i]) for k, v in scores.extra_columns.items()}}
+                    if scores.extra_columns
+                    else {}
+                ),
             }
             for i in picks
         ]
