@@ -13,8 +13,8 @@ import sys
 import time
 
 import grpokit
-from grpokit.config import ConfigError, load_config
-from grpokit.errors import CheckpointError, TrainingInterrupted
+from grpokit.config import load_config
+from grpokit.errors import CheckpointError, ConfigError, TrainingInterrupted
 
 # grpokit demo --model NAME: (built-in config, what the banner calls the model)
 DEMO_MODELS = {

@@ -25,11 +25,9 @@ from typing import Any
 
 import yaml
 
+from grpokit.errors import ConfigError  # also importable from here, as before
+
 BUILTIN_CONFIGS = Path(__file__).resolve().parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A configuration problem, reported before any model is loaded."""
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:

@@ -6,6 +6,10 @@ import signal
 from pathlib import Path
 
 
+class ConfigError(ValueError):
+    """A configuration problem, reported before any model is loaded (the CLI prints it as one line)."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: missing, partial or corrupt."""
 

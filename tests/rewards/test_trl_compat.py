@@ -239,3 +239,50 @@ def test_keyword_call_details():
     assert score([WeightedReward("v", builtin)], ["1+1="], ["2"], {"answer": ["2"]}).total.tolist() == [1.0]
     # module:function rewards with options bind them by keyword
     assert torch.isfinite(s.total).all()
+
+
+def test_a_reward_needing_a_missing_column_fails_before_the_model_loads(tmp_path):
+    """The repro of issue 18: question/solution columns, answer_column: nosuchcol, math_accuracy."""
+    from grpokit.errors import ConfigError
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "solution": "2"}) + "\n")
+    sets = {
+        "model.name_or_path": str(tmp_path / "no-model-here"),  # loading it would fail differently
+        "data.task": None,
+        "data.path": str(data),
+        "data.prompt_column": "question",
+        "data.answer_column": "nosuchcol",
+        "rewards": [{"name": "math_accuracy"}],
+        "train.output_dir": str(tmp_path / "run"),
+    }
+    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in sets.items()])
+    with pytest.raises(ConfigError, match=r"reward 'math_accuracy' needs the column 'answer', which the "
+                       r"training data does not have; columns present: solution; .*data.answer_column="
+                       r"'nosuchcol'.*set data.answer_column"):  # fmt: skip
+        GRPOTrainer(cfg)
+    # a user reward's own named column is checked the same way; with the column present it passes
+    from grpokit.rewards.registry import check_reward_columns, required_columns
+
+    def needs_tests(completions, tests, level=0, **kwargs):
+        return [0.0] * len(completions)
+
+    assert required_columns(needs_tests) == {"tests"}
+    assert required_columns(lambda p, c, tests: []) == {"tests"}  # older positional form
+    with pytest.raises(ConfigError, match=r"needs the column 'tests'.*columns present: solution"):
+        check_reward_columns(
+            [WeightedReward("t", needs_tests)],
+            {"question": "q", "solution": "s"},
+            "question",
+            "answer",
+            "training data",
+        )
+    check_reward_columns(
+        [WeightedReward("t", needs_tests)], {"question": "q", "tests": []}, "question", "answer", "x"
+    )
+    argv = [sys.executable, "-m", "grpokit", "train"]
+    argv += [a for k, v in sets.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    res = subprocess.run(argv, capture_output=True, text=True)
+    assert (
+        res.returncode == 2 and "configuration error: reward 'math_accuracy' needs the column" in res.stderr
+    )

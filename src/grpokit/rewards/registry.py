@@ -168,6 +168,55 @@ def reward_columns(
     return columns
 
 
+# What score() itself passes: never a dataset column a reward could be missing.
+_PASSED = {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra"}
+
+
+def required_columns(fn: RewardFn) -> set[str]:
+    """The dataset columns ``fn`` cannot run without: its parameters without a default, other than
+    what grpokit always passes (and, for a function called positionally, its first two)."""
+    if isinstance(fn, ParallelReward):
+        fn = get(fn.name, **fn.options)
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return set()
+    named = {p.name for p in params}
+    if "prompts" not in named and "completions" not in named:
+        params = params[2:]  # the positional (prompts, completions) of the older grpokit form
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in params if p.kind in kinds and p.default is p.empty and p.name not in _PASSED}
+
+
+def check_reward_columns(
+    rewards: list[WeightedReward], row: dict, prompt_column: str, answer_column: str, where: str
+) -> None:
+    """Fail at start-up, before any model loads, when a reward needs a column the data lacks.
+
+    ``row`` is a row of the data: rewards see its columns but the prompt, and the answer column also
+    as ``answer`` (``reward_columns``).
+    """
+    from grpokit.errors import ConfigError
+
+    present = [k for k in row if k != prompt_column]
+    available = set(present) | ({"answer"} if answer_column in row else set())
+    for spec in rewards:
+        missing = sorted(required_columns(spec.fn) - available)
+        if not missing:
+            continue
+        hint = (
+            f"; rewards get data.answer_column={answer_column!r} as 'answer', and the data has no column "
+            f"{answer_column!r}: set data.answer_column to the column holding the reference answer"
+            if "answer" in missing
+            else "; add the column to the data, or give the reward a default for it"
+        )
+        raise ConfigError(
+            f"reward {spec.name!r} needs the column{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(map(repr, missing))}, which the {where} does not have; columns present: "
+            f"{', '.join(present) or '(none but the prompt)'}{hint}"
+        )
+
+
 def conversational_prompts(rows: list[dict], repeat: int, prompt_column: str = "prompt") -> list | None:
     """The rows' prompts as message lists, each repeated ``repeat`` times (TRL gives conversational
     prompts to rewards this way), or None when the prompts are text."""

@@ -34,7 +34,7 @@ def check_available() -> None:
     """Raise ConfigError unless vLLM can run here: the package is installed and a CUDA GPU is visible."""
     import importlib.util
 
-    from grpokit.config import ConfigError
+    from grpokit.errors import ConfigError
 
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(

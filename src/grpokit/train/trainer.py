@@ -51,6 +51,7 @@ from grpokit.rewards.registry import (
     Scores,
     TrainerProgress,
     WeightedReward,
+    check_reward_columns,
     concat_scores,
     conversational_prompts,
     get,
@@ -101,6 +102,14 @@ class GRPOTrainer:
         random.seed(cfg.train.seed)
         self.train_source, self.eval_rows = _build_data(cfg, dataset, eval_dataset)
         self.rewards = _build_rewards(cfg, rewards)
+        d = cfg.data
+        check_reward_columns(
+            self.rewards, self.train_source.row(0), d.prompt_column, d.answer_column, "training data"
+        )
+        if self.eval_rows:
+            check_reward_columns(
+                self.rewards, self.eval_rows[0], d.prompt_column, d.answer_column, "held-out data"
+            )
         if cfg.train.eval_every and not self.eval_rows:
             raise ValueError(
                 "train.eval_every > 0 needs held-out rows: set data.eval_path or use a data.task"
