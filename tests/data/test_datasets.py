@@ -119,3 +119,27 @@ def test_trainer_filters_long_prompts_and_counts_them(tmp_path, tiny_dir):
     assert trainer.num_filtered_prompts == 2 and len(trainer.train_source) == 3
     summary = trainer.train()
     assert summary["num_filtered_prompts"] == 2
+
+
+def test_max_prompt_length_filters_a_built_in_task_like_a_dataset(tmp_path, tiny_dir):
+    """Issue 19: the limit applies to the task's training stream and its held-out rows alike, and a
+    limit that leaves no prompt is refused, naming the prompt lengths."""
+    from grpokit.config import load_config
+    from grpokit.errors import ConfigError
+    from grpokit.train.trainer import GRPOTrainer
+
+    def trainer(limit):
+        sets = [f"model.name_or_path={tiny_dir}", "data.task=addition", f"data.max_prompt_length={limit}"]
+        sets += [f"train.output_dir={tmp_path / 'run'}", "train.quiet=true"]
+        return GRPOTrainer(load_config(None, sets))
+
+    # addition prompts "a+b=" with up to 2 digits: 4-6 characters (tokens)
+    t = trainer(5)
+    lengths = [len(t.tokenizer(t.train_source.row(i)["prompt"])["input_ids"]) for i in range(200)]
+    assert max(lengths) <= 5 and t.eval_rows and all(len(r["prompt"]) <= 5 for r in t.eval_rows)
+    assert t.num_filtered_prompts > 0 and len(t.eval_rows) < 500
+    fresh = trainer(5).train_source  # row i is a pure function of the seed and i: resume stays exact
+    assert [fresh.row(i) for i in range(30, 0, -1)] == [t.train_source.row(i) for i in range(30, 0, -1)]
+    with pytest.raises(ConfigError, match=r"max_prompt_length=3 drops every training prompt: they are 4-6 "
+                       r"tokens long \(the longest: '\d\d\+\d\d='\); set it to at least 6"):  # fmt: skip
+        trainer(3)

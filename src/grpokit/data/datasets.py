@@ -120,6 +120,33 @@ class RowsSource:
         return dict(self.rows[self._perm[j]])
 
 
+class FilteredSource:
+    """The rows of an endless ``source`` that ``keep`` accepts: ``row(i)`` is the i-th accepted row,
+    a pure function of the source and i (so resume stays exact). Used for ``data.max_prompt_length``
+    on a built-in task's stream."""
+
+    def __init__(self, source, keep) -> None:
+        self.source, self.keep = source, keep
+        self._accepted: list[int] = []  # source indices of the accepted rows, in order
+        self._scanned = 0
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def row(self, i: int) -> dict:
+        misses = 0
+        while len(self._accepted) <= i:
+            if self.keep(self.source.row(self._scanned)):
+                self._accepted.append(self._scanned)
+                misses = 0
+            else:
+                misses += 1
+                if misses > 100_000:  # the caller checks a sample first; this is only a backstop
+                    raise RuntimeError("the prompt filter rejected 100,000 rows in a row")
+            self._scanned += 1
+        return self.source.row(self._accepted[i])
+
+
 R1_TEMPLATE = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
     "The assistant first thinks about the reasoning process in the mind and then provides the user with "

@@ -40,10 +40,10 @@ import torch
 
 from grpokit.algo import decoupled_advantages, group_advantages, zero_std_groups
 from grpokit.config import GRPOConfig
-from grpokit.data.datasets import RowsSource, build_prompt, check_rows, load_rows
+from grpokit.data.datasets import FilteredSource, RowsSource, build_prompt, check_rows, load_rows
 from grpokit.data.tasks import TaskSource
 from grpokit.diagnostics.hacking import HackingMonitor
-from grpokit.errors import CheckpointError, TrainingInterrupted
+from grpokit.errors import CheckpointError, ConfigError, TrainingInterrupted
 from grpokit.models.loading import keep_head_float32, load_model, mixed_precision, reference_copy
 from grpokit.report import write_report
 from grpokit.rewards.registry import (
@@ -567,27 +567,52 @@ class GRPOTrainer:
         )
 
     def _filter_long_prompts(self) -> int:
-        """Drop rows whose prompt is longer than ``data.max_prompt_length`` tokens; return how many."""
+        """Drop rows whose prompt is longer than ``data.max_prompt_length`` tokens, from the training
+        rows and the held-out rows alike; return how many were dropped (of a built-in task's endless
+        stream: of its first 500 rows). A limit that leaves no prompt is refused."""
         limit = self.cfg.data.max_prompt_length
         if limit is None:
             return 0
 
-        def short(row: dict) -> bool:
-            return len(self.tokenizer(self._prompt(row))["input_ids"]) <= limit
+        def length(row: dict) -> int:
+            return len(self.tokenizer(self._prompt(row))["input_ids"])
+
+        def refuse(which: str, rows: list[dict]) -> None:
+            lengths = [length(r) for r in rows]
+            longest = self._prompt(rows[lengths.index(max(lengths))])
+            raise ConfigError(
+                f"data.max_prompt_length={limit} drops every {which} prompt: they are {min(lengths)}-"
+                f"{max(lengths)} tokens long (the longest: {longest!r}); set it to at least "
+                f"{max(lengths)} to keep them all, or null"
+            )
 
         dropped = 0
         if isinstance(self.train_source, RowsSource):
-            kept = [r for r in self.train_source.rows if short(r)]
+            kept = [r for r in self.train_source.rows if length(r) <= limit]
             dropped += len(self.train_source.rows) - len(kept)
             if not kept:
-                raise ValueError(f"data.max_prompt_length={limit} drops every training prompt; raise it")
+                refuse("training", self.train_source.rows)
             self.train_source = RowsSource(kept, seed=self.cfg.train.seed, shuffle=self.cfg.data.shuffle)
-        kept_eval = [r for r in self.eval_rows if short(r)]
+        else:  # an endless built-in task: filter the stream itself
+            sample = [self.train_source.row(i) for i in range(500)]
+            num_short = sum(length(r) <= limit for r in sample)
+            if num_short == 0:
+                refuse("training", sample)
+            dropped += len(sample) - num_short
+            self.train_source = FilteredSource(self.train_source, lambda r: length(r) <= limit)
+        kept_eval = [r for r in self.eval_rows if length(r) <= limit]
+        if self.eval_rows and not kept_eval:
+            refuse("held-out", self.eval_rows)
         dropped += len(self.eval_rows) - len(kept_eval)
         self.eval_rows = kept_eval
         if dropped:
             self._print(
                 f"grpokit: dropped {dropped} prompts longer than data.max_prompt_length={limit} tokens"
+                + (
+                    ""
+                    if isinstance(self.train_source, RowsSource)
+                    else " (training: of the task's first 500)"
+                )
             )
         return dropped
 
