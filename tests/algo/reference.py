@@ -61,6 +61,15 @@ def kl(logp: float, ref_logp: float, kind: str) -> float:
     return math.exp(log_ratio) - log_ratio - 1
 
 
+def kl_shaped_rewards(rewards, logp, ref_logp, mask, beta, kind):
+    """r_i - beta * sum over the real tokens of sequence i of the per-token KL estimator."""
+    out = []
+    for r, lp_row, ref_row, m_row in zip(rewards, logp, ref_logp, mask, strict=True):
+        total = sum(kl(a, b, kind) for a, b, m in zip(lp_row, ref_row, m_row, strict=True) if m)
+        out.append(r - beta * total)
+    return out
+
+
 def policy_loss(
     logp: list[list[float]],
     old_logp: list[list[float]],

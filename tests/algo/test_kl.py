@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from grpokit.algo import kl_penalty
+from grpokit.algo import kl_penalty, kl_shaped_rewards
 from tests.algo import reference as ref
 
 
@@ -107,3 +109,31 @@ def test_gradients_as_loss_terms_match_docs(seed):
 def test_bad_inputs(args, match):
     with pytest.raises(ValueError, match=match):
         kl_penalty(*args)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_shaped_rewards_match_reference_with_padding(kind):
+    g = torch.Generator().manual_seed(7)
+    B, T = 6, 9
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    ref_logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    lengths = torch.tensor([9, 1, 4, 0, 7, 3])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    logp[~mask] = float("-inf")  # padding must never leak into the sum
+    ref_logp[~mask] = 5.0
+    rewards = torch.randn(B, generator=g, dtype=torch.float64)
+    got = kl_shaped_rewards(rewards, logp, ref_logp, mask, 0.3, kind)
+    want = ref.kl_shaped_rewards(rewards.tolist(), logp.tolist(), ref_logp.tolist(), mask.tolist(), 0.3, kind)
+    assert got.tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert got[3] == rewards[3]  # an empty completion keeps its reward
+
+
+def test_kl_shaped_rewards_hand_value():
+    # one sequence, tokens (logp, ref) = (-1, -1.5) and (-2, -2): k1 = 0.5 + 0, beta 0.1 -> r - 0.05
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    ref_logp = torch.tensor([[-1.5, -2.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True]])
+    out = kl_shaped_rewards(torch.tensor([1.0], dtype=torch.float64), logp, ref_logp, mask, 0.1, "k1")
+    assert out.item() == pytest.approx(0.95, abs=1e-15)
+    k3 = kl_shaped_rewards(torch.tensor([1.0], dtype=torch.float64), logp, ref_logp, mask, 0.1, "k3")
+    assert k3.item() == pytest.approx(1.0 - 0.1 * (math.exp(-0.5) - 0.5), abs=1e-15)

@@ -82,16 +82,29 @@ def test_each_preset_trains_and_its_loss_is_the_papers(tmp_path, tiny_dir, algor
 
 
 def test_rloo_puts_k1_kl_into_the_reward(tmp_path, tiny_dir):
-    cfg = make(tmp_path, tiny_dir, **{"algorithm": "rloo", "train.max_steps": 2, "algo.beta": 0.5})
-    trainer = GRPOTrainer(cfg, rewards=[varied])
+    """One group, a constant reward and a reference moved away from the policy: every advantage then
+    comes from the KL folded into the reward, and equals the float64 hand computation
+    A_i = r~_i - mean_{j != i} r~_j with r~_i = 1 - beta * sum_t (old_logp - ref_logp)."""
+    sets = {"algorithm": "rloo", "train.max_steps": 1, "algo.beta": 0.5, "train.prompts_per_step": 1}
+    trainer = GRPOTrainer(
+        make(tmp_path, tiny_dir, **sets), rewards=[lambda prompts, completions, **_: [1.0] * 4]
+    )
+    with torch.no_grad():
+        for p in trainer.ref_model.parameters():
+            p.mul_(1.5)
     trainer.train()
-    d = torch.load(tmp_path / "run" / "tensors" / "step-000002.pt", weights_only=False)
+    d = torch.load(tmp_path / "run" / "tensors" / "step-000001.pt", weights_only=False)
     assert d["loss_kwargs"]["beta"] == 0.0 and d["loss_kwargs"]["kl_kind"] == "k1"
+    assert d["advantages"].shape[0] == 4  # the whole group is the dumped micro-batch
+    old, ref_lp, mask = d["old_logp"].double(), d["ref_logp"].double(), d["mask"]
+    shaped = [
+        1.0 - 0.5 * float(torch.where(m, o - r, 0.0).sum()) for o, r, m in zip(old, ref_lp, mask, strict=True)
+    ]
+    expected = [x - (sum(shaped) - x) / 3 for x in shaped]
+    assert max(abs(e) for e in expected) > 1e-3  # the KL term really moves the advantages
+    assert d["advantages"].double().tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)
     rows = read_metrics(tmp_path / "run")
-    assert rows[1]["kl"] is not None and rows[1]["kl"] != 0.0  # reported, though not in the loss
-    # advantages are RLOO of r - beta * sum_t(logp - ref_logp): the row sums differ from RLOO of r alone
-    shaped = d["advantages"]
-    assert shaped.shape[0] == 12 and not torch.allclose(shaped.sum().abs(), torch.tensor(1e9))
+    assert rows[0]["kl"] is not None and rows[0]["kl"] != 0.0  # reported, though not in the loss
 
 
 def test_dynamic_sampling_keeps_only_informative_groups(tmp_path, tiny_dir):

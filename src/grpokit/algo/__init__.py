@@ -5,7 +5,7 @@ against an independent float64 reference in ``tests/algo``.
 """
 
 from grpokit.algo.advantages import decoupled_advantages, group_advantages, zero_std_groups
-from grpokit.algo.kl import kl_penalty
+from grpokit.algo.kl import kl_penalty, kl_shaped_rewards
 from grpokit.algo.logprobs import hidden_token_logprobs, token_entropy, token_logprobs
 from grpokit.algo.losses import policy_loss
 
@@ -14,6 +14,7 @@ __all__ = [
     "group_advantages",
     "hidden_token_logprobs",
     "kl_penalty",
+    "kl_shaped_rewards",
     "policy_loss",
     "token_entropy",
     "token_logprobs",

@@ -55,3 +55,34 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
     if kind == "k2":
         return 0.5 * log_ratio.square()
     return torch.expm1(log_ratio) - log_ratio  # exp(x) - 1 - x, accurate for small x
+
+
+def kl_shaped_rewards(
+    rewards: torch.Tensor,
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float,
+    kind: str = "k1",
+) -> torch.Tensor:
+    r"""The reward with the KL penalty folded in (``algo.kl_placement: reward``):
+    :math:`\tilde r_i = r_i - \beta \sum_{t \in o_i} \mathrm{KL}_{kind,t}`, summed over the
+    completion's real tokens only.
+
+    The RLHF placement of the KL term (Ziegler et al. 2019, arXiv:1909.08593; Ouyang et al. 2022)
+    that the RLOO paper uses with k1 (Ahmadian et al. 2024, arXiv:2402.14740, sec. 3); k2 and k3
+    are honoured as the per-token estimator. No gradient flows: it is part of the reward.
+
+    Args:
+        rewards: ``[B]`` rewards.
+        logp, ref_logp: ``[B, T]`` log-probs of the sampled tokens under pi_old and pi_ref.
+        mask: ``[B, T]`` bool, the completion's real tokens.
+        beta: the KL coefficient.
+        kind: ``k1`` | ``k2`` | ``k3`` (see :func:`kl_penalty`).
+
+    Returns:
+        ``[B]`` shaped rewards in the dtype of ``rewards``.
+    """
+    per_token = kl_penalty(logp.detach(), ref_logp, kind)
+    kl_seq = torch.where(mask, per_token, torch.zeros_like(per_token)).sum(dim=-1)
+    return rewards - beta * kl_seq.to(rewards.dtype)

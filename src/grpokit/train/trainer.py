@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from grpokit.algo import decoupled_advantages, group_advantages, zero_std_groups
+from grpokit.algo import decoupled_advantages, group_advantages, kl_shaped_rewards, zero_std_groups
 from grpokit.config import GRPOConfig
 from grpokit.data.datasets import FilteredSource, RowsSource, build_prompt, check_rows, load_rows
 from grpokit.data.tasks import TaskSource
@@ -278,9 +278,8 @@ class GRPOTrainer:
             batch_logprobs(self.model, batch, full_plan, self.pad_id, tau, self.dist) if needs_old else None
         )
         total_B = scores.total
-        if a.kl_placement == "reward" and ref_logp is not None:  # r <- r - beta * sum_t (log pi - log pi_ref)
-            kl_seq_B = torch.where(batch.completion_mask, old_logp - ref_logp, 0.0).sum(dim=1)
-            total_B = total_B - a.beta * kl_seq_B.to(total_B.dtype)
+        if a.kl_placement == "reward" and ref_logp is not None:  # r <- r - beta * sum_t KL_t
+            total_B = kl_shaped_rewards(total_B, old_logp, ref_logp, batch.completion_mask, a.beta, a.kl)
         batch.advantages = self._advantages(total_B, scores)
         t2 = time.perf_counter()
         stats = self._update(batch, plans, old_logp, ref_logp)
