@@ -79,6 +79,23 @@ def test_each_preset_trains_and_its_loss_is_the_papers(tmp_path, tiny_dir, algor
             kl_kind=kw["kl_kind"],
         )
         assert float(d["loss"]) == pytest.approx(expected, rel=1e-5, abs=1e-7)
+        # the advantages: the preset's estimator, scale and eps applied to the step's rewards
+        adv = torch.load(path.with_name(f"step-{step:06d}-advantages.pt"), weights_only=False)
+        want = ref.advantages(
+            adv["rewards"].double().tolist(), 4, preset["estimator"], preset["scale"], preset["eps"]
+        )
+        assert adv["advantages"].double().tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert d["advantages"].tolist() == adv["advantages"][d["rows"]].tolist()
+
+
+@pytest.mark.parametrize("estimator,scale", [("grpo", "batch"), ("rloo", "none"), ("dr_grpo", "none")])
+def test_explicit_advantage_options_reach_the_trainer(tmp_path, tiny_dir, estimator, scale):
+    sets = {"algo.estimator": estimator, "algo.scale": scale, "algo.eps": 0.5, "train.max_steps": 1}
+    GRPOTrainer(make(tmp_path, tiny_dir, **sets), rewards=[varied]).train()
+    adv = torch.load(tmp_path / "run" / "tensors" / "step-000001-advantages.pt", weights_only=False)
+    want = ref.advantages(adv["rewards"].double().tolist(), 4, estimator, scale, 0.5)
+    assert adv["advantages"].double().tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert any(abs(x) > 1e-3 for x in want)
 
 
 def test_rloo_puts_k1_kl_into_the_reward(tmp_path, tiny_dir):

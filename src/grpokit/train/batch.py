@@ -258,6 +258,7 @@ def _micro_batch_backward(
                 "loss": loss.detach().cpu(),
                 "loss_kwargs": loss_kwargs,
                 "counts": counts,
+                "rows": list(rows),
             },
             dump_path,
         )

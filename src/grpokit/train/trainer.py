@@ -281,6 +281,12 @@ class GRPOTrainer:
         if a.kl_placement == "reward" and ref_logp is not None:  # r <- r - beta * sum_t KL_t
             total_B = kl_shaped_rewards(total_B, old_logp, ref_logp, batch.completion_mask, a.beta, a.kl)
         batch.advantages = self._advantages(total_B, scores)
+        if cfg.train.dump_tensors and self.dist.is_main:  # what the advantages were computed from
+            (self.run_dir / "tensors").mkdir(exist_ok=True)
+            where = self.run_dir / "tensors" / f"step-{self.step:06d}-advantages.pt"
+            torch.save(
+                {"rewards": total_B, "advantages": batch.advantages, "group_size": rollout.group_size}, where
+            )
         t2 = time.perf_counter()
         stats = self._update(batch, plans, old_logp, ref_logp)
         self._engine_stale = True
