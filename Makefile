@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.grpokit-installed
 
-.PHONY: demo test lint format bench bench-trl clean sysdeps
+.PHONY: demo test lint format bench bench-trl bench-smollm2 clean sysdeps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,12 @@ $(TRL_VENV)/.installed:
 
 bench-trl: $(STAMP) $(TRL_VENV)/.installed
 	$(PY) benchmarks/bench_trl.py --trl-python $(TRL_VENV)/bin/python
+
+# The real-model path (docs/smollm2.md): about 90 minutes on 2 cores (two 35-minute training runs).
+bench-smollm2: $(STAMP) $(TRL_VENV)/.installed
+	$(PY) benchmarks/bench_rollout.py --model smollm2
+	$(PY) benchmarks/bench_trl.py --model smollm2 --steps 8 --trl-python $(TRL_VENV)/bin/python
+	$(PY) benchmarks/bench_smollm2.py --seeds 0 1
 
 clean:
 	rm -rf $(VENV) $(TRL_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -345,7 +345,10 @@ def main() -> None:
         stacks = work / f"py-spy-{name}.txt"
         if a.profile:
             cmd = ["py-spy", "record", "-r", "100", "-f", "raw", "-o", str(stacks), "--", *cmd]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        # TRL's virtualenv has no grpokit: the smollm2 reward imports the task's verifier from src/
+        src = str(Path(__file__).resolve().parents[1] / "src")
+        child_env = {**env, "PYTHONPATH": src} if name == "trl" else env
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env)
         if proc.returncode != 0:
             sys.exit(f"{name} child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
         line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
