@@ -11,7 +11,9 @@ grpokit). Both use: G = 8 completions per prompt, 8 prompts per step (64 complet
 forward/backward pass), 16 new tokens at temperature 1, beta = 0.04 with the k3 estimator,
 DeepSeekMath's per-sequence loss aggregation, group std scaling, one optimizer step per
 generation, AdamW lr 1e-4 constant, gradient clipping 1.0, seed 0, float32 on the CPU, and the
-rule reward below.
+rule reward below. Gradient checkpointing is off on both unless ``--gradient-checkpointing`` turns
+it on for both (TRL's own default is on: the tables in docs/benchmarks.md measured before this
+option existed ran TRL with it and grpokit without). ``--only grpokit|trl`` runs one side.
 
 ``--model smollm2`` runs the same comparison on SmolLM2-135M-Instruct (grpokit's converted copy,
 loaded by both from the same directory) on the ``word_problems`` task: prompts rendered once with
@@ -97,7 +99,7 @@ def load_tokenizer(model_dir: Path):
     return tok
 
 
-def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path, setup: str) -> dict:
+def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path, setup: str, gc: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -108,6 +110,8 @@ def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path, setup: str) 
     su = SETUPS[setup]
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if gc:  # as grpokit's loader does for model.gradient_checkpointing
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     loaded = rss_mib()
     cfg = load_config(
         None,
@@ -124,6 +128,7 @@ def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path, setup: str) 
             f"train.seed={SEED}",
             f"algo.beta={su['beta']}",
             f"model.autocast={'bfloat16' if su['bf16'] else 'null'}",
+            f"model.gradient_checkpointing={'true' if gc else 'false'}",
             "train.save_every=0",
             "train.quiet=true",
             "logging.report=false",
@@ -144,7 +149,7 @@ def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path, setup: str) 
     return _result("grpokit", t0, stamps, rewards, loaded, {"torch": torch.__version__})
 
 
-def run_trl(model_dir: Path, data: Path, steps: int, out: Path, setup: str) -> dict:
+def run_trl(model_dir: Path, data: Path, steps: int, out: Path, setup: str, gc: bool) -> dict:
     import torch
     import transformers
     import trl
@@ -196,6 +201,7 @@ def run_trl(model_dir: Path, data: Path, steps: int, out: Path, setup: str) -> d
         disable_tqdm=True,
         shuffle_dataset=False,
         disable_dropout=True,
+        gradient_checkpointing=gc,  # TRL's GRPOConfig defaults to True; grpokit's to False
     )
     trainer = GRPOTrainer(
         model=model,
@@ -316,6 +322,12 @@ def main() -> None:
         "where the LM head and logits dominate; default: the character tokenizer's 83",
     )
     ap.add_argument("--model", choices=tuple(SETUPS), default="qwen2-3m", help="which comparison (see above)")
+    ap.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="both trainers recompute activations in backward (default: neither; TRL's own default is on)",
+    )
+    ap.add_argument("--only", choices=["grpokit", "trl"], help="run one side only (its row alone)")
     ap.add_argument("--profile", action="store_true", help="sample both children with py-spy")
     ap.add_argument("--child", choices=["grpokit", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -324,7 +336,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.child:
         fn = run_grpokit if a.child == "grpokit" else run_trl
-        result = fn(Path(a.model_dir), Path(a.data), a.steps, Path(a.out), a.model)
+        result = fn(Path(a.model_dir), Path(a.data), a.steps, Path(a.out), a.model, a.gradient_checkpointing)
         print("RESULT " + json.dumps(result))
         return
 
@@ -340,7 +352,9 @@ def main() -> None:
     phases = {}
     for name, python in (("grpokit", sys.executable), ("trl", a.trl_python)):
         cmd = [python, __file__, "--child", name, "--model", a.model, "--model-dir", str(model_dir)]
-        cmd += ["--data", str(data)]
+        if a.only and name != a.only:
+            continue
+        cmd += ["--data", str(data)] + (["--gradient-checkpointing"] if a.gradient_checkpointing else [])
         cmd += ["--steps", str(a.steps), "--out", str(work / f"run-{name}")]
         stacks = work / f"py-spy-{name}.txt"
         if a.profile:
@@ -367,7 +381,8 @@ def main() -> None:
         f"{what}, {a.steps} steps of "
         f"{PROMPTS_PER_STEP} prompts x G={G}, {su['max_new']} new tokens at T={su['temperature']}, "
         f"beta={su['beta']}, {'bfloat16 autocast' if su['bf16'] else 'float32'}, "
-        f"torch threads {os.cpu_count()} cores; TRL {results['trl']['versions']}\n"
+        f"gradient checkpointing {'on' if a.gradient_checkpointing else 'off'} on both, "
+        f"torch threads {os.cpu_count()} cores; versions {next(iter(results.values()))['versions']}\n"
     )
     print(
         "| trainer | s/step, median (min-max) | peak RSS (MiB) | RSS after model load (MiB) "
@@ -384,6 +399,10 @@ def main() -> None:
             f"| {name} | {cell} | {r['peak_rss_mib']:.0f} "
             f"| {r['rss_after_load_mib']:.0f} | {statistics.mean(first):.3f} | {statistics.mean(last):.3f} |"
         )
+    if a.only:
+        print(f"\nraw results: {work / 'results.json'}")
+        (work / "results.json").write_text(json.dumps(results))
+        return
     g, t = results["grpokit"], results["trl"]
     above = (g["peak_rss_mib"] - g["rss_after_load_mib"]) / (t["peak_rss_mib"] - t["rss_after_load_mib"])
     print(
