@@ -176,7 +176,7 @@ def _divisors(value: int) -> list[int]:
 
 
 def _verify_final_number(prompt: str, completion: str, answer: str) -> float:
-    r"""1.0 iff the completion's final answer is the integer ``answer``: the last ``oxed{}`` if
+    r"""1.0 iff the completion's final answer is the integer ``answer``: the last ``\boxed{}`` if
     there is one, else the last number in the text (extraction as ``math_accuracy``'s); several
     different boxed answers (a hedge) score 0."""
     from grpokit.rewards.math import extract_answer, is_hedged

