@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import threading
 from pathlib import Path
@@ -10,7 +12,7 @@ import pytest
 
 from grpokit.rewards import get
 from grpokit.rewards.code import split_asserts
-from grpokit.rewards.sandbox import Limits, Sandbox, SandboxUnavailable, running_pids
+from grpokit.rewards.sandbox import Limits, Sandbox, SandboxUnavailable, running_pids, system_binds
 
 TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\nassert add(10, 5) == 15\nassert add(0, 0) == 0"
 
@@ -56,15 +58,106 @@ ATTACKS = {
     "\ndef add(a, b): return 3",
     "always-equal object": "class E:\n    def __eq__(self, o): return True\n    def __repr__(self): return 'E()'\n"
     "def add(a, b): return E()",
-    "read the tests": "import glob\nsrc = [open(p).read() for p in glob.glob('/tmp/**', recursive=True) + glob.glob('*')"
-    " if not p.endswith('/')]\n"
-    "def add(a, b): return len(src)",
     "infinite loop": "while True: pass",
     "fork bomb": "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass",
     "allocate 20 GB": "x = bytearray(20 * 1024**3)\ndef add(a, b): return a + b",
     "huge file": "open('/tmp/big', 'wb').write(b'0' * (200 * 1024**2))\ndef add(a, b): return a + b",
 }
 # fmt: on
+
+# Reads every file it can open outside /usr (the system tree, too big to read in the CPU limit, and
+# shown read-only) and /proc, /sys, /dev, collects every `add(A, B) == V` it finds, and answers from
+# them. It scores 0 only because no expected value is anywhere it can see: put the asserts into the
+# sandbox's files (the mutant `tests leaked into the sandbox`) and it scores 1.
+SNOOP = r"""
+import os, re, sys
+found, read = {}, []
+for root, dirs, files in os.walk("/"):
+    if root == "/":
+        dirs[:] = [d for d in dirs if d not in ("usr", "proc", "sys", "dev")]
+    for name in files:
+        path = os.path.join(root, name)
+        try:
+            with open(path, errors="replace") as f:
+                text = f.read(1 << 20)
+        except OSError:
+            continue
+        read.append(path)
+        for a, b, v in re.findall(r"add\((-?\d+), (-?\d+)\) == (-?\d+)", text):
+            found[(int(a), int(b))] = int(v)
+print("\x1fsnoop", len(read), sorted(found.items()), file=sys.stderr)
+def add(a, b):
+    return found.get((a, b), -1)
+"""
+
+
+def test_reading_every_visible_file_finds_no_expected_value(reward):
+    assert judge(reward, SNOOP) == 0.0
+    # the attack ran to the end: it read its own files, and found nothing
+    res = Sandbox(limits=Limits(wall_s=10.0)).run(
+        {"solution.py": SNOOP, "calls.json": '["add(1, 2)"]'}, ["/usr/bin/python3", "-I", "-S", "solution.py"]
+    )
+    assert res.returncode == 0, res.stderr
+    report = res.stderr.split("\x1fsnoop")[1].split()
+    assert int(report[0]) >= 2 and report[1] == "[]"
+    assert "/tmp/sandbox/calls.json" not in res.stderr  # (paths are counted, not printed)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def data_file_in_the_checkout():
+    path = REPO / "tests" / f".sandbox-probe-{os.getpid()}.jsonl"
+    path.write_text('{"question": "1+1", "answer": "2"}\n')
+    path.chmod(0o644)
+    yield path
+    path.unlink()
+
+
+def test_model_code_sees_no_checkout_data_or_home(data_file_in_the_checkout):
+    probes = [
+        str(data_file_in_the_checkout),
+        str(REPO / "README.md"),
+        str(REPO),
+        str(Path.home()),
+        os.getcwd(),
+    ]
+    code = (
+        "import json, os, sys\n"
+        f"paths = {probes!r}\n"
+        "print(json.dumps({p: os.path.exists(p) for p in paths}))\n"
+        "print(json.dumps(sorted(os.listdir('/'))))\n"
+        "print(json.dumps(sorted(os.listdir('/etc'))))\n"
+    )
+    res = Sandbox().run({"probe.py": code}, ["/usr/bin/python3", "-I", "-S", "probe.py"])
+    assert res.returncode == 0, res.stderr
+    seen, top, etc = map(json.loads, res.stdout.splitlines())
+    assert seen == {p: False for p in probes}
+    assert set(top) <= {
+        "bin",
+        "dev",
+        "etc",
+        "lib",
+        "lib32",
+        "lib64",
+        "libx32",
+        "proc",
+        "sbin",
+        "tmp",
+        "usr",
+    }
+    assert set(etc) <= {"ld.so.cache", "ld.so.conf", "ld.so.conf.d"}
+
+
+def test_an_interpreter_outside_usr_is_bound_alone_and_one_in_a_home_is_refused():
+    args = system_binds("/opt/py312/bin/python3.12")
+    assert args[-3:] == ["--ro-bind", "/opt/py312", "/opt/py312"]
+    assert "/" not in [args[i + 1] for i, a in enumerate(args) if a == "--ro-bind"]
+    with pytest.raises(SandboxUnavailable, match="home directory or the working directory"):
+        system_binds("/root/.venv/bin/python")
+    with pytest.raises(SandboxUnavailable, match="python= an interpreter"):
+        system_binds(str(REPO / ".venv" / "bin" / "python3"))
 
 
 @pytest.mark.parametrize("name", list(ATTACKS))

@@ -94,11 +94,27 @@ def test_lora_resume_is_exact_and_export_merges(tmp_path, tiny_dir):
         )
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir):
-    grads = []
+def count_layer_forwards(model) -> list[int]:
+    """Hooks on every decoder layer's MLP counting its calls while gradients are recorded: in a
+    checkpointed layer it runs twice (the forward, then the recompute in the backward). (A pre-hook on
+    the MLP, not the layer: transformers checkpoints the layer's ``forward``, inside its hooks, and
+    torch's recompute stops early, right after the last tensor it needs, before the MLP returns.)"""
+    calls = [0]
+
+    def count(*_) -> None:
+        calls[0] += torch.is_grad_enabled()
+
+    for layer in model.get_decoder().layers:
+        layer.mlp.register_forward_pre_hook(count)
+    return calls
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes(tiny_dir):
+    grads, forwards = [], []
     for checkpointing in (False, True):
         model, tok = load_model(str(tiny_dir), gradient_checkpointing=checkpointing)
         model = model.double()
+        calls = count_layer_forwards(model)
         rollout = sample(
             model,
             tok,
@@ -113,8 +129,33 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir):
             model, batch, plan_micro_batches(batch.total_lengths(), 2), 0, temperature=1.0, loss_kwargs={}
         )
         grads.append([p.grad.clone() for p in model.parameters()])
+        forwards.append(calls[0])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert forwards[0] > 0 and forwards[1] == 2 * forwards[0]
+
+
+def test_the_trainer_engages_gradient_checkpointing(tmp_path, tiny_dir):
+    forwards = []
+    for checkpointing in (False, True):
+        cfg = make(
+            tmp_path,
+            tiny_dir,
+            f"gc-{checkpointing}",
+            **{
+                "model.gradient_checkpointing": checkpointing,
+                "model.lora": None,
+                "algo.beta": 0.0,
+                "train.max_steps": 1,
+                "train.eval_every": 0,
+            },
+        )
+        trainer = GRPOTrainer(cfg, rewards=[varied])
+        calls = count_layer_forwards(trainer.model)
+        trainer.step = 1  # as train() does before each step
+        trainer.train_step()
+        forwards.append(calls[0])
+    assert forwards[0] > 0 and forwards[1] == 2 * forwards[0]
 
 
 def test_lora_options_are_validated():

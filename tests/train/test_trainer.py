@@ -129,6 +129,25 @@ def test_same_seed_same_run_and_eval_every_does_not_change_training(tmp_path, ti
     assert strip_times(read_metrics(tmp_path / "d")) != strip_times(ra)
 
 
+def test_log_samples_does_not_change_training(tmp_path, tiny_dir):
+    runs = {}
+    for n in (0, 1, 16):  # none, one, every completion of a step
+        cfg = config(
+            tmp_path, tiny_dir, f"s{n}", **{"algo.beta": 0.0, "train.lr": 1e-3, "train.log_samples": n}
+        )
+        trainer = GRPOTrainer(cfg)
+        trainer.train()
+        runs[n] = (
+            strip_times(read_metrics(tmp_path / f"s{n}")),
+            [p.detach().clone() for p in trainer.model.parameters()],
+        )
+        lines = (tmp_path / f"s{n}" / "samples.jsonl").read_text().splitlines() if n else []
+        assert len(lines) == 3 * n
+    for n in (1, 16):
+        assert runs[n][0] == runs[0][0]
+        assert all(torch.equal(a, b) for a, b in zip(runs[n][1], runs[0][1], strict=True))
+
+
 def test_no_signal_steps_are_skipped_and_change_nothing(tmp_path, tiny_dir):
     model, tok = load_model(str(tiny_dir))
     before = [p.detach().clone() for p in model.parameters()]

@@ -5,14 +5,17 @@ What it does: ``run(files, argv, stdin)`` writes ``files`` into a fresh host dir
 
     prlimit (CPU s, address space, processes, file size, open files)
       -> setpriv (a throw-away unprivileged uid/gid, no groups)
-        -> bwrap (new user/PID/net/IPC/UTS namespaces, read-only root, private /tmp and /proc,
-                  the files read-only at /tmp/sandbox (the working directory), die-with-parent, new session)
+        -> bwrap (new user/PID/net/IPC/UTS namespaces; read-only binds of only the system
+                  paths the interpreter needs (``system_binds``); private /tmp, /proc and /dev; the
+                  files read-only at /tmp/sandbox (the working directory); die-with-parent, new session)
 
 and kills the whole process group at the wall-clock limit; the PID namespace then takes every
 process the code started with it. Why each layer: root ignores RLIMIT_NPROC (a fork bomb as root
 is bounded by nothing), so the code runs as an unprivileged uid -- one per concurrent sandbox so
-their process counts do not mix; bwrap removes the network and makes everything outside /tmp
-read-only; the rlimits bound CPU, memory, processes and file sizes.
+their process counts do not mix; bwrap removes the network and shows the code only /usr (and the
+interpreter's own prefix when it lives elsewhere), never the checkout, the data files, the run
+directory or home directories, so a dataset's answers at a guessable path cannot be read; the
+rlimits bound CPU, memory, processes and file sizes.
 
 What it deliberately does not do: decide whether code passed (``rewards.code`` compares outputs
 outside the sandbox), or run without isolation unless asked: ``Sandbox(mode="none")`` warns.
@@ -39,8 +42,8 @@ FIX = (
 )
 
 
-# Where the files appear inside: under the private /tmp, because the read-only root has no mount
-# point to offer and bwrap cannot create one there.
+# Where the files appear inside: under the private /tmp (the only writable place, and where
+# programs expect scratch space).
 SANDBOX_DIR = "/tmp/sandbox"
 
 
@@ -65,6 +68,50 @@ class RunResult:
     stderr: str
     timed_out: bool
     seconds: float
+
+
+# Host paths shown read-only inside. /usr holds the interpreter, its standard library and the shared
+# libraries; /bin, /lib, /lib64 and /sbin are symlinks into it on merged-/usr systems and are bound
+# as directories where they are not. The dynamic loader's cache lives in /etc; nothing else there is.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d")
+
+
+def system_binds(executable: str) -> list[str]:
+    """bwrap arguments that show the system paths read-only, and the prefix of ``executable``
+    (resolved through symlinks) when it lies outside them, e.g. /opt/python3.12. Home directories,
+    the working directory and everything else stay absent."""
+    args: list[str] = []
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in SYSTEM_FILES:
+        args += ["--ro-bind-try", path, path]
+    resolved = shutil.which(executable) or executable
+    real = os.path.realpath(resolved)
+    if os.path.isabs(real) and not _under(real, SYSTEM_DIRS):
+        prefix = _interpreter_prefix(real)
+        private = ("/root", "/home", *([os.getcwd()] if os.getcwd() != "/" else []))
+        if prefix == "/" or _under(prefix, private) or _under(os.getcwd(), (prefix,)):
+            raise SandboxUnavailable(
+                f"the sandbox's interpreter {real} lives under {prefix}, which would expose a home "
+                "directory or the working directory to the sandboxed code; pass python= an "
+                "interpreter installed under /usr or /opt (e.g. /usr/bin/python3)"
+            )
+        args += ["--ro-bind", prefix, prefix]
+    return args
+
+
+def _under(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def _interpreter_prefix(real: str) -> str:
+    """/opt/py/bin/python3.12 -> /opt/py: the directory above ``bin`` (the whole installation)."""
+    parent = os.path.dirname(real)
+    return os.path.dirname(parent) if os.path.basename(parent) == "bin" else parent
 
 
 def default_python() -> str:
@@ -135,7 +182,7 @@ class Sandbox:
             "prlimit", f"--cpu={lim.cpu_s}", f"--as={lim.memory_bytes}", f"--nproc={lim.processes}",
             f"--fsize={lim.file_bytes}", f"--nofile={lim.open_files}", "--",
             "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--",
-            "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/", "/",
+            "bwrap", "--unshare-all", "--die-with-parent", "--new-session", *system_binds(argv[0]),
             "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--ro-bind", str(host_dir), SANDBOX_DIR,
             "--chdir", SANDBOX_DIR, "--setenv", "HOME", "/tmp", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
             "--", *argv,
