@@ -1,4 +1,4 @@
-"""The command line parses and says plainly what is not built yet."""
+"""The command line: train end to end, and errors as one line only when the user can fix them."""
 
 from __future__ import annotations
 
@@ -49,6 +49,26 @@ def test_configuration_errors_exit_2_with_one_clear_line(capsys):
     assert main(["train", "--set", "train.lr=-1"]) == 2
     err = capsys.readouterr().err
     assert "configuration error: train.lr: must be > 0, got -1.0" in err and "Traceback" not in err
+
+
+def test_user_errors_are_one_line_and_library_bugs_keep_their_traceback(tmp_path, capsys, monkeypatch):
+    # bad input the user can fix: one line naming the fix, exit 2
+    assert main(["report", str(tmp_path / "nothing-here")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and str(tmp_path / "nothing-here") in err
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\nnot json\n')
+    argv = ["--set", "data.task=null", "--set", f"data.path={data}", "--set", "data.prompt_column=question"]
+    assert main(["train", *argv]) == 2
+    assert f"{data}:2: not valid JSON" in capsys.readouterr().err
+    # a ValueError from inside grpokit (or the user's code) is a bug: it propagates with its traceback
+
+    def broken(*_):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr("grpokit.report.write_report", broken)
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        main(["report", str(tmp_path)])
 
 
 def test_public_api_names():

@@ -1,7 +1,8 @@
 """The ``grpokit`` command line: ``grpokit train | demo | eval | report | export | lab``.
 
 Each subcommand is a thin wrapper over the Python API; this file parses arguments and reports
-errors as one clear line (exit code 2 for a bad configuration), nothing else.
+errors: a grpokit ``UserError`` (bad options, data, files) as one line with exit code 2; anything
+else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 
 import grpokit
 from grpokit.config import load_config
-from grpokit.errors import CheckpointError, ConfigError, TrainingInterrupted
+from grpokit.errors import ConfigError, MissingFileError, RunExistsError, TrainingInterrupted, UserError
 
 # grpokit demo --model NAME: (built-in config, what the banner calls the model)
 DEMO_MODELS = {
@@ -147,7 +148,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         where = Path(args.resume)
         run_dir = where.parent.parent if where.name.startswith("step-") else where
         if not (run_dir / "config.yaml").is_file():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"--resume {args.resume}: no config.yaml in {run_dir}; is it a grpokit run?"
             )
         config = run_dir / "config.yaml"
@@ -230,7 +231,7 @@ def _model_dir(path: str):
         return str(p / "final")
     ckpt = find_checkpoint(p, fallback=True)
     if ckpt is None:
-        raise FileNotFoundError(f"{path}: not a model directory, and no final/ model or checkpoint in it")
+        raise MissingFileError(f"{path}: not a model directory, and no final/ model or checkpoint in it")
     return str(ckpt / "model")
 
 
@@ -248,7 +249,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         rows = load_rows(args.dataset, args.prompt_column)[: args.limit]
     names = args.reward or (["task_verifier"] if args.task else [])
     if not names:
-        raise ValueError("--dataset needs at least one --reward (e.g. a 'module:function' verifier)")
+        raise ConfigError("--dataset needs at least one --reward (e.g. a 'module:function' verifier)")
     rewards = []
     for name in names:
         options = {"task": args.task} if name == "task_verifier" else {}
@@ -295,7 +296,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     run_dir, out = Path(args.run_dir), Path(args.out)
     if out.exists():
-        raise FileExistsError(f"--out {out} already exists; choose a new directory")
+        raise RunExistsError(f"--out {out} already exists; choose a new directory")
     if args.checkpoint:
         src = find_checkpoint(run_dir / "checkpoints" / args.checkpoint) / "model"
     elif any((run_dir / "final" / name).is_file() for name in ("config.json", "adapter_config.json")):
@@ -303,7 +304,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         ckpt = find_checkpoint(run_dir, fallback=True)
         if ckpt is None:
-            raise FileNotFoundError(f"{run_dir}: no final/ model and no checkpoint to export")
+            raise MissingFileError(f"{run_dir}: no final/ model and no checkpoint to export")
         src = ckpt / "model"
     model, tok = load_model(str(src))
     model = merged(model)  # LoRA runs: adapters merged into the base, a plain model comes out
@@ -352,19 +353,14 @@ def main(argv: list[str] | None = None) -> int:
             "lab": cmd_lab,
         }
         return commands[args.command](args)
-    except ConfigError as e:
-        print(f"grpokit {args.command}: configuration error: {e}", file=sys.stderr)
-        return 2
     except TrainingInterrupted as e:
         print(f"grpokit {args.command}: {e}", file=sys.stderr)
         return 128 + e.signum
-    except CheckpointError as e:
-        print(f"grpokit {args.command}: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except UserError as e:  # input the user can fix: one line. Anything else is a bug: its traceback.
         if os.environ.get("GRPOKIT_DEBUG"):
             raise
-        print(f"grpokit {args.command}: {e} (set GRPOKIT_DEBUG=1 for the traceback)", file=sys.stderr)
+        kind = "configuration error: " if isinstance(e, ConfigError) else ""
+        print(f"grpokit {args.command}: {kind}{e}", file=sys.stderr)
         return 2
 
 

@@ -6,11 +6,31 @@ import signal
 from pathlib import Path
 
 
-class ConfigError(ValueError):
-    """A configuration problem, reported before any model is loaded (the CLI prints it as one line)."""
+class UserError(Exception):
+    """Input the user can fix (options, data, files, arguments), with the fix in the message.
+
+    The CLI prints a ``UserError`` as one line and exits 2; any other exception is a bug in grpokit
+    or in the user's code and keeps its traceback. Each subclass also derives from the builtin
+    type a Python caller would expect (``ValueError``, ``FileNotFoundError``...)."""
 
 
-class CheckpointError(RuntimeError):
+class ConfigError(UserError, ValueError):
+    """A configuration problem, reported before any model is loaded."""
+
+
+class DataError(UserError, ValueError):
+    """Rows that cannot be used: bad JSON, a missing column, no rows, unsupported tests."""
+
+
+class MissingFileError(UserError, FileNotFoundError):
+    """A file or directory the run needs does not exist."""
+
+
+class RunExistsError(UserError, FileExistsError):
+    """The output directory already holds a run."""
+
+
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used: missing, partial or corrupt."""
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from grpokit.errors import MissingFileError
+
 PANELS = [
     ("reward_mean", "reward (mean)"),
     ("accuracy", "accuracy (sampled, train batch)"),
@@ -40,7 +42,7 @@ def write_report(run_dir: str | Path, max_samples: int = 24) -> Path:
     run_dir = Path(run_dir)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     if not metrics:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{run_dir} has no metrics.jsonl with any step: is it a grpokit run directory?"
         )
     samples = read_jsonl(run_dir / "samples.jsonl")[-max_samples:]

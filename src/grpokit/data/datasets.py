@@ -17,12 +17,14 @@ import json
 import random
 from pathlib import Path
 
+from grpokit.errors import DataError, MissingFileError
+
 
 def read_jsonl(path: str | Path, prompt_column: str = "prompt") -> list[dict]:
     """Rows of a JSONL file (one JSON object per line), each checked to have ``prompt_column``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+        raise MissingFileError(f"data file {str(path)!r} does not exist")
     rows: list[dict] = []
     for n, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -30,9 +32,9 @@ def read_jsonl(path: str | Path, prompt_column: str = "prompt") -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{n}: each line must be a JSON object, got {type(row).__name__}")
+            raise DataError(f"{path}:{n}: each line must be a JSON object, got {type(row).__name__}")
         rows.append(row)
     check_rows(rows, prompt_column, str(path))
     return rows
@@ -44,7 +46,7 @@ def load_rows(path: str | Path, prompt_column: str = "prompt", split: str = "tra
     reads (its ``split``)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+        raise MissingFileError(f"data file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
     if path.is_file() and suffix == ".jsonl":
         return read_jsonl(path, prompt_column)
@@ -52,7 +54,7 @@ def load_rows(path: str | Path, prompt_column: str = "prompt", split: str = "tra
         data = json.loads(path.read_text())
         rows = data if isinstance(data, list) else data.get("data") if isinstance(data, dict) else None
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise ValueError(f"{path}: a .json dataset must be a list of objects (or {{'data': [...]}})")
+            raise DataError(f"{path}: a .json dataset must be a list of objects (or {{'data': [...]}})")
     elif path.is_file() and suffix == ".csv":
         import csv
 
@@ -84,17 +86,17 @@ def _hf_rows(path: Path, split: str) -> list[dict]:
         ds = datasets.load_dataset(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise ValueError(f"{path}: no split {split!r} (data.split); splits present: {', '.join(ds)}")
+            raise DataError(f"{path}: no split {split!r} (data.split); splits present: {', '.join(ds)}")
         ds = ds[split]
     return ds.to_list()
 
 
 def check_rows(rows: list[dict], prompt_column: str, where: str = "dataset") -> None:
     if not rows:
-        raise ValueError(f"{where} has no rows")
+        raise DataError(f"{where} has no rows")
     for n, row in enumerate(rows):
         if prompt_column not in row:
-            raise ValueError(
+            raise DataError(
                 f"{where}, row {n}: no column {prompt_column!r} (data.prompt_column); "
                 f"columns present: {', '.join(row)}"
             )
@@ -170,7 +172,7 @@ def format_prompt(row: dict, prompt_column: str = "prompt", template: str | None
     try:
         return template.format(**{**row, "prompt": prompt})
     except KeyError as e:
-        raise ValueError(
+        raise DataError(
             f"data.template refers to {{{e.args[0]}}}, which is not a column; columns: {', '.join(row)}"
         ) from None
 
@@ -208,7 +210,7 @@ def build_prompt(
 
 def _chat(tokenizer, messages: list[dict]) -> str:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
+        raise DataError(
             "this prompt needs the tokenizer's chat template (conversational rows, or data.chat_template: "
             "true), but the tokenizer has none; set data.chat_template: false and use a text template"
         )

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
+from grpokit.errors import ConfigError
 from grpokit.rewards.registry import register
 
 
@@ -226,7 +227,7 @@ EVAL_SEED = "grpokit-eval"  # the held-out set is the same for every run of a ta
 
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(TASKS)}")
+        raise ConfigError(f"unknown task {name!r}; built-in tasks: {', '.join(TASKS)}")
     return TASKS[name]
 
 

@@ -30,6 +30,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpokit.errors import MissingFileError
+
 
 @dataclass(frozen=True)
 class ShippedModel:
@@ -83,7 +85,7 @@ def shipped_gguf(alias: str) -> Path:
         raise ModuleNotFoundError(_needs_package(alias))
     path = Path(next(iter(spec.submodule_search_locations))) / entry.file
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed {entry.package} package; {entry.pip}")
+        raise MissingFileError(f"{path} is missing from the installed {entry.package} package; {entry.pip}")
     return path
 
 
@@ -99,7 +101,7 @@ def converted_dir(gguf_path: str | Path, *, quiet: bool = False) -> Path:
     """A plain model directory for ``gguf_path``: the cached conversion, made now if missing."""
     src = Path(gguf_path).resolve()
     if not src.is_file():
-        raise FileNotFoundError(f"model.gguf_file={str(gguf_path)!r}: no such file")
+        raise MissingFileError(f"model.gguf_file={str(gguf_path)!r}: no such file")
     if importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(_NEEDS_GGUF)
     digest = _sha256(src)

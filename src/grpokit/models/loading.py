@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from grpokit.errors import MissingFileError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -49,7 +51,7 @@ def resolve_model_path(name_or_path: str, gguf_file: str | None = None) -> Path:
         return converted_dir(shipped_gguf(name_or_path))
     path = Path(name_or_path)
     if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"model.name_or_path={name_or_path!r} is not a local Hugging Face model directory "
             "(no config.json there); grpokit loads local models only -- download it first, use "
             f"model.gguf_file for a GGUF file, or one of the built-in names {', '.join(ALIASES)}"

@@ -17,6 +17,8 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
+from grpokit.errors import MissingFileError
+
 PAD, EOS = "<pad>", "<eos>"
 DEFAULT_ALPHABET = "0123456789+-*/=()<>?,.:;!' \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -65,7 +67,7 @@ def shipped_model_dir() -> Path:
     """The directory of the embedded model inside the installed package."""
     path = Path(__file__).resolve().parent / "tiny_model"
     if not (path / "model.safetensors").is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"the embedded tiny model is missing from {path}; rebuild it with scripts/build_tiny_model.py"
         )
     return path

@@ -24,6 +24,7 @@ import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+from grpokit.errors import ConfigError, DataError
 from grpokit.rewards.registry import register
 from grpokit.rewards.sandbox import Limits, Sandbox, default_python
 
@@ -67,13 +68,13 @@ def split_asserts(tests: str | list[str]) -> list[tuple[str, object]]:
             and isinstance(node.test.ops[0], ast.Eq)
         )
         if not ok:
-            raise ValueError(
+            raise DataError(
                 f"code_tests: unsupported test {ast.unparse(node)!r}; write `assert CALL == LITERAL`"
             )
         try:
             expected = ast.literal_eval(node.test.comparators[0])
         except ValueError:
-            raise ValueError(
+            raise DataError(
                 f"code_tests: the expected side of {ast.unparse(node)!r} must be a literal"
             ) from None
         cases.append((ast.unparse(node.test.left), expected))
@@ -161,7 +162,7 @@ def code_tests(
         num_parallel: completions judged at once.
     """
     if mode not in ("fraction", "all"):
-        raise ValueError(f"code_tests: mode must be 'fraction' or 'all', got {mode!r}")
+        raise ConfigError(f"code_tests: mode must be 'fraction' or 'all', got {mode!r}")
     limits = Limits(wall_s=wall_s, cpu_s=cpu_s, memory_bytes=memory_mb << 20)
     judge = CodeJudge(Sandbox(sandbox, limits, slots=max(num_parallel, 1)))
 
@@ -177,7 +178,7 @@ def code_tests(
             cases = split_asserts(tests)
             total, passed = len(cases), judge.passed_asserts(code, cases)
         if total == 0:
-            raise ValueError("code_tests: a sample has no tests")
+            raise DataError("code_tests: a sample has no tests")
         return passed / total if mode == "fraction" else float(passed == total)
 
     def reward(prompts, completions, tests, **_):

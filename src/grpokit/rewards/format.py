@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 
+from grpokit.errors import ConfigError
 from grpokit.rewards.registry import get, register
 
 _BODY = r"(?:(?!</?think>|</?answer>).)*"  # any text without another tag in it
@@ -31,7 +32,7 @@ def think_format(mode: str = "strict"):
     ``soft``: a ``<think>...</think>`` followed by ``<answer>...</answer>`` appears somewhere.
     """
     if mode not in ("strict", "soft"):
-        raise ValueError(f"think_format: mode must be 'strict' or 'soft', got {mode!r}")
+        raise ConfigError(f"think_format: mode must be 'strict' or 'soft', got {mode!r}")
 
     def reward(prompts, completions, **_):
         if mode == "strict":  # surrounding whitespace aside, the completion is exactly the format
@@ -91,7 +92,7 @@ def repetition_penalty(text: str, ngram: int, max_penalty: float) -> float:
 def repetition(ngram: int = 3, max_penalty: float = 1.0):
     """N-gram repetition penalty in [-max_penalty, 0]: 0 when no word n-gram repeats."""
     if ngram < 1 or max_penalty < 0:
-        raise ValueError(f"repetition: need ngram >= 1 and max_penalty >= 0, got {ngram}, {max_penalty}")
+        raise ConfigError(f"repetition: need ngram >= 1 and max_penalty >= 0, got {ngram}, {max_penalty}")
 
     def reward(prompts, completions, **_):
         return [repetition_penalty(c, ngram, max_penalty) for c in completions]
@@ -125,7 +126,7 @@ def length(
 ):
     """Cosine length-scaled correctness: correctness from the ``verifier`` reward, scaled by token count."""
     if max_len < 1:
-        raise ValueError(f"length: max_len must be >= 1, got {max_len}")
+        raise ConfigError(f"length: max_len must be >= 1, got {max_len}")
     check = get(verifier, **verifier_options)
 
     def reward(prompts, completions, completion_ids, **columns):
@@ -149,7 +150,7 @@ def overlong_penalty(length: int, max_len: int, cache_len: int) -> float:
     :math:`-1` if :math:`|y| > L_{max}`.
     """
     if not 0 < cache_len < max_len:
-        raise ValueError(
+        raise ConfigError(
             f"overlong penalty needs 0 < cache_len < max_len, got cache_len={cache_len}, max_len={max_len}"
         )
     free = max_len - cache_len

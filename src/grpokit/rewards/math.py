@@ -23,6 +23,7 @@ import importlib.util
 import re
 from fractions import Fraction
 
+from grpokit.errors import ConfigError
 from grpokit.rewards.registry import register
 from grpokit.rewards.workers import shared_pool
 
@@ -195,7 +196,9 @@ def math_accuracy(timeout_s: float = 5.0, num_workers: int = 2, use_math_verify:
     """
     symbolic = has_math_verify() if use_math_verify is None else use_math_verify
     if symbolic and not has_math_verify():
-        raise ValueError("math_accuracy: use_math_verify=true needs math-verify: pip install 'grpokit[math]'")
+        raise ConfigError(
+            "math_accuracy: use_math_verify=true needs math-verify: pip install 'grpokit[math]'"
+        )
 
     def reward(prompts: list[str], completions: list[str], answer: list[str], **_: object) -> list[float]:
         scores: list[float | None] = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from grpokit.errors import ConfigError
 from grpokit.rewards.registry import register
 
 
@@ -40,7 +41,7 @@ def reward_model(
         .eval()
     )
     if model.config.num_labels != 1:
-        raise ValueError(f"reward_model: {path} has {model.config.num_labels} labels; a reward model has 1")
+        raise ConfigError(f"reward_model: {path} has {model.config.num_labels} labels; a reward model has 1")
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
 

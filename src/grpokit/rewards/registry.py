@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpokit.errors import ConfigError
+
 RewardFn = Callable[..., list]
 
 _FACTORIES: dict[str, Callable[..., RewardFn]] = {}
@@ -80,15 +82,15 @@ def get(name: str, **options) -> RewardFn:
         try:
             fn = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as e:
-            raise ValueError(
+            raise ConfigError(
                 f"reward {name!r}: cannot import {attr!r} from module {module_name!r} ({e})"
             ) from e
         if not callable(fn):
-            raise ValueError(f"reward {name!r} is not callable")
+            raise ConfigError(f"reward {name!r} is not callable")
         if options:
             fn = functools.update_wrapper(functools.partial(fn, **options), fn)
         return fn
-    raise ValueError(
+    raise ConfigError(
         f"unknown reward {name!r}; registered rewards: {', '.join(names())}, or give 'module.path:function'"
     )
 
@@ -196,7 +198,6 @@ def check_reward_columns(
     ``row`` is a row of the data: rewards see its columns but the prompt, and the answer column also
     as ``answer`` (``reward_columns``).
     """
-    from grpokit.errors import ConfigError
 
     present = [k for k in row if k != prompt_column]
     available = set(present) | ({"answer"} if answer_column in row else set())

@@ -35,6 +35,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpokit.errors import ConfigError
+
 FIX = (
     "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; `make test` does it) and allow "
     "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1), or pass sandbox='none' "
@@ -129,7 +131,7 @@ class Sandbox:
 
     def __init__(self, mode: str = "bwrap", limits: Limits | None = None, slots: int = 16) -> None:
         if mode not in ("bwrap", "none"):
-            raise ValueError(f"sandbox mode must be 'bwrap' or 'none', got {mode!r}")
+            raise ConfigError(f"sandbox mode must be 'bwrap' or 'none', got {mode!r}")
         self.mode, self.limits = mode, limits or Limits()
         self._free = list(range(self.UID_BASE, self.UID_BASE + slots))
         self._lock = threading.Lock()

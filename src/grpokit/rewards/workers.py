@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from grpokit.errors import ConfigError
+
 
 @dataclass
 class TaskResult:
@@ -84,9 +86,9 @@ class WorkerPool:
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 5.0) -> None:
         if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+            raise ConfigError(f"num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+            raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
         self.num_workers, self.timeout_s = num_workers, timeout_s
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpokit.errors import ConfigError, DataError
 from grpokit.models.loading import accepts_kwarg
 
 
@@ -104,7 +105,7 @@ def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.T
     """Tokenize and left-pad: returns ``(ids [P, L], mask [P, L] bool)``."""
     encoded = [tokenizer(p)["input_ids"] for p in prompts]
     if any(len(e) == 0 for e in encoded):
-        raise ValueError("a prompt encoded to zero tokens; give every prompt some text")
+        raise DataError("a prompt encoded to zero tokens; give every prompt some text")
     width = max(len(e) for e in encoded)
     pad = pad_token_id(tokenizer)
     ids = torch.full((len(encoded), width), pad, dtype=torch.long)
@@ -118,7 +119,7 @@ def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.T
 def pad_token_id(tokenizer) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
-        raise ValueError("the tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token")
+        raise ConfigError("the tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token")
     return int(pad)
 
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from grpokit.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -134,7 +136,7 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     ``ModuleList`` in the model (``model.layers`` for Llama / Qwen2, ``h`` for GPT-2 ...)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     if not lists:
-        raise ValueError(f"{type(model).__name__}: no ModuleList of layers found to shard with FSDP")
+        raise ConfigError(f"{type(model).__name__}: no ModuleList of layers found to shard with FSDP")
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 

@@ -16,6 +16,7 @@ from collections import Counter
 
 import torch
 
+from grpokit.errors import ConfigError
 from grpokit.rewards.registry import WeightedReward, conversational_prompts, reward_columns, score
 from grpokit.rollout.sampler import SamplingParams, sample
 
@@ -127,10 +128,10 @@ def evaluate_sampled(
     Returns ``{"n", "temperature", "reward_mean", "pass@k": {k: ...}, "maj@k": {k: ...}}``.
     """
     if not any(r.verifier for r in rewards):
-        raise ValueError("pass@k / maj@k need a verifier reward (verifier: true), e.g. task_verifier")
+        raise ConfigError("pass@k / maj@k need a verifier reward (verifier: true), e.g. task_verifier")
     bad = [k for k in ks if not 1 <= k <= n]
     if bad:
-        raise ValueError(f"every k must be in [1, n={n}], got {bad}")
+        raise ConfigError(f"every k must be in [1, n={n}], got {bad}")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop)
     generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     pass_sums = dict.fromkeys(ks, 0.0)

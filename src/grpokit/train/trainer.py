@@ -43,7 +43,7 @@ from grpokit.config import GRPOConfig
 from grpokit.data.datasets import FilteredSource, RowsSource, build_prompt, check_rows, load_rows
 from grpokit.data.tasks import TaskSource
 from grpokit.diagnostics.hacking import HackingMonitor
-from grpokit.errors import CheckpointError, ConfigError, TrainingInterrupted
+from grpokit.errors import CheckpointError, ConfigError, RunExistsError, TrainingInterrupted
 from grpokit.models.loading import keep_head_float32, load_model, mixed_precision, reference_copy
 from grpokit.report import write_report
 from grpokit.rewards.registry import (
@@ -93,7 +93,7 @@ class GRPOTrainer:
         self.dist = init_distributed(cfg.distributed.strategy, cfg.distributed.backend)
         W, P = self.dist.world_size, cfg.train.prompts_per_step
         if P % W or cfg.train.steps_per_generation > P // W:
-            raise ValueError(
+            raise ConfigError(
                 f"train.prompts_per_step={P} must be a multiple of the world size {W} with at least "
                 f"train.steps_per_generation={cfg.train.steps_per_generation} prompts per rank "
                 "(a group never spans ranks); change prompts_per_step or --nproc-per-node"
@@ -111,7 +111,7 @@ class GRPOTrainer:
                 self.rewards, self.eval_rows[0], d.prompt_column, d.answer_column, "held-out data"
             )
         if cfg.train.eval_every and not self.eval_rows:
-            raise ValueError(
+            raise ConfigError(
                 "train.eval_every > 0 needs held-out rows: set data.eval_path or use a data.task"
             )
         device = self.dist.device()
@@ -434,7 +434,7 @@ class GRPOTrainer:
         if decoupled:
             per_KB = torch.cat([part[1] for part in parts], dim=1)
             if torch.isnan(per_KB).any():
-                raise ValueError(
+                raise ConfigError(
                     "algo.reward_combination=normalize_then_sum needs every reward to score every "
                     "completion, but a reward returned None"
                 )
@@ -672,7 +672,7 @@ class GRPOTrainer:
 
     def _prepare_run_dir(self) -> None:
         if (self.run_dir / "metrics.jsonl").exists():
-            raise FileExistsError(
+            raise RunExistsError(
                 f"{self.run_dir} already holds a run (metrics.jsonl); continue it with --resume "
                 f"{self.run_dir}, choose another train.output_dir (--output-dir), or delete it"
             )
@@ -762,7 +762,7 @@ def _build_rewards(cfg: GRPOConfig, rewards) -> list[WeightedReward]:
             options = dict(spec.options)
             if spec.name == "task_verifier" and "task" not in options:
                 if cfg.data.task is None:
-                    raise ValueError("reward task_verifier needs data.task (or rewards[].options.task)")
+                    raise ConfigError("reward task_verifier needs data.task (or rewards[].options.task)")
                 options["task"] = cfg.data.task
             verifier = is_verifier(spec.name) if spec.verifier is None else spec.verifier
             if spec.workers:
