@@ -315,7 +315,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
-    from grpokit.diagnostics.lab import run_lab
+    from grpokit.lab import run_lab
 
     summary = run_lab(args.output_dir, args.seeds, args.steps, args.eval_prompts, overrides=args.overrides)
     for arm, a in summary["arms"].items():

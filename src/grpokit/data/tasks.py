@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
+from grpokit.data.answers import extract_answer, is_hedged
 from grpokit.errors import ConfigError
-from grpokit.rewards.registry import register
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,18 @@ class Task:
     make: Callable[[random.Random, int], tuple[str, str]]  # (rng, difficulty) -> (prompt, answer)
     verify: Callable[[str, str, str], float]  # (prompt, completion, answer) -> 1.0 | 0.0
     default_difficulty: int
+
+    def as_reward(self) -> Callable[..., list[float]]:
+        """The exact verifier as a batched reward ``(prompts, completions, answer, **columns)``:
+        1.0 where the completion is the answer, else 0.0. (Registered as ``task_verifier`` in
+        ``rewards/task.py``.)"""
+        check = self.verify
+
+        def reward(prompts: list[str], completions: list[str], answer: list[str], **_: object) -> list[float]:
+            return [check(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
+
+        reward.__name__ = f"task_verifier[{self.name}]"
+        return reward
 
 
 def exact_match(completion: str, answer: str) -> float:
@@ -180,8 +192,6 @@ def _verify_final_number(prompt: str, completion: str, answer: str) -> float:
     r"""1.0 iff the completion's final answer is the integer ``answer``: the last ``\boxed{}`` if
     there is one, else the last number in the text (extraction as ``math_accuracy``'s); several
     different boxed answers (a hedge) score 0."""
-    from grpokit.rewards.math import extract_answer, is_hedged
-
     got = extract_answer(completion)
     if got is None or is_hedged(completion, got):
         return 0.0
@@ -284,21 +294,6 @@ class TaskSource:
         return {"prompt": prompt, "answer": answer}
 
 
-@register("task_verifier", verifier=True)
-def task_verifier(task: str):
-    """The built-in task's exact verifier as a reward: 1.0 if the completion is the answer, else 0.0.
-
-    Needs the ``answer`` column (the built-in tasks provide it).
-    """
-    check = get_task(task).verify
-
-    def reward(prompts: list[str], completions: list[str], answer: list[str], **_: object) -> list[float]:
-        return [check(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
-
-    reward.__name__ = f"task_verifier[{task}]"
-    return reward
-
-
 @dataclass
 class LoadedTask:
     """What ``load_task`` returns: the training stream, the held-out rows, and the verifier reward."""
@@ -313,4 +308,5 @@ def load_task(name: str, *, seed: int = 0, difficulty: int | None = None, eval_s
     """A built-in task ready to train on: ``train.row(i)``, ``eval_rows`` and its 0/1 ``reward``."""
     train = TaskSource(name, seed=seed, difficulty=difficulty, eval_size=eval_size)
     held_out = TaskSource(name, difficulty=difficulty, split="eval", eval_size=eval_size)
-    return LoadedTask(train.task, train, [held_out.row(i) for i in range(len(held_out))], task_verifier(name))
+    eval_rows = [held_out.row(i) for i in range(len(held_out))]
+    return LoadedTask(train.task, train, eval_rows, train.task.as_reward())

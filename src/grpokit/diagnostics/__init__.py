@@ -1,1 +1,2 @@
-"""Diagnostics: the live reward-hacking monitor and the hacking lab."""
+"""Diagnostics: the live reward-hacking monitor (the hacking lab, which runs the trainer, is
+``grpokit.lab``)."""

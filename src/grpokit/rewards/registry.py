@@ -97,8 +97,7 @@ def get(name: str, **options) -> RewardFn:
 
 def _load_builtins() -> None:
     # Built-in rewards register themselves on import; importing here keeps `get` self-contained.
-    from grpokit.data import tasks  # noqa: F401  (registers task_verifier)
-    from grpokit.rewards import code, format, math, model  # noqa: F401  (register their rewards)
+    from grpokit.rewards import code, format, math, model, task  # noqa: F401  (register their rewards)
 
 
 @dataclass

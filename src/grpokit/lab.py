@@ -33,6 +33,7 @@ from pathlib import Path
 from grpokit.config import load_config
 from grpokit.rewards.registry import WeightedReward
 from grpokit.rewards.registry import get as get_reward
+from grpokit.train.trainer import GRPOTrainer
 
 FILLER = "!"
 
@@ -89,7 +90,6 @@ def run_lab(
     overrides: list[str] | None = None,
 ) -> dict:
     """Run every arm on every seed; write summary.json and report.html in ``output_dir``."""
-    from grpokit.train.trainer import GRPOTrainer
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

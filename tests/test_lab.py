@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from grpokit.diagnostics.lab import ARMS, exploited, prefix_correct
+from grpokit.lab import ARMS, exploited, prefix_correct
 
 
 def test_the_flawed_checker_and_the_exploit_measure():
