@@ -59,6 +59,7 @@ def child(name: str) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from grpokit.algo import LossSpec
     from grpokit.train.batch import TrainBatch, accumulate_policy_gradient
 
     torch.manual_seed(0)
@@ -76,10 +77,10 @@ def child(name: str) -> dict:
     batch = TrainBatch([torch.randint(3, V, (PROMPT,)) for _ in range(B)], ids, mask, torch.randn(B))
     plan = make_plan(name, lens)
     padded = sum(len(mb) * max(PROMPT + lens[r] for r in mb) for mb in plan)
-    kwargs = dict(beta=0.0, aggregation="seq_mean_token_mean", max_completion_length=T)
+    spec = LossSpec(beta=0.0, aggregation="seq_mean_token_mean", max_completion_length=T)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.perf_counter()
-    accumulate_policy_gradient(model, batch, plan, 0, temperature=1.0, loss_kwargs=kwargs)
+    accumulate_policy_gradient(model, batch, plan, 0, temperature=1.0, loss=spec)
     seconds = time.perf_counter() - t
     extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
     return {

@@ -105,3 +105,38 @@ def test_configuration_doc_is_up_to_date():
     script = Path(__file__).resolve().parents[1] / "scripts" / "config_reference.py"
     res = subprocess.run([sys.executable, str(script), "--check"])
     assert res.returncode == 0, "docs/configuration.md is stale: run scripts/config_reference.py"
+
+
+@pytest.mark.parametrize(
+    ("key", "table"),
+    [
+        ("algo.estimator", "grpokit.algo.advantages:ESTIMATORS"),
+        ("algo.scale", "grpokit.algo.advantages:SCALES"),
+        ("algo.aggregation", "grpokit.algo.losses:AGGREGATIONS"),
+        ("algo.ratio_level", "grpokit.algo.losses:RATIO_LEVELS"),
+        ("algo.surrogate", "grpokit.algo.losses:SURROGATES"),
+        ("algo.kl", "grpokit.algo.kl:KL_KINDS"),
+    ],
+)
+def test_algo_choices_are_the_algo_tables(monkeypatch, key, table):
+    import dataclasses
+    import importlib
+
+    module, name = table.split(":")
+    choices = tuple(getattr(importlib.import_module(module), name))
+    field = next(f for f in dataclasses.fields(GRPOConfig().algo) if f.name == key.split(".")[1])
+    assert all(c in field.metadata["help"] for c in choices), "the option's help lists every choice"
+    for choice in choices:
+        extra = ["algo.scale=none"] if key == "algo.estimator" and choice == "dr_grpo" else []
+        if key == "algo.scale" and choice != "none":
+            extra = ["algo.estimator=grpo"]
+        load_config(None, [f"{key}={choice}", *extra])
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [f"{key}=not_a_choice"])
+    # a variant added to the table is accepted by the config without touching config.py
+    extended = {**dict.fromkeys(choices), "new_variant": None}
+    table_obj = getattr(importlib.import_module(module), name)
+    monkeypatch.setattr(
+        importlib.import_module(module), name, extended if isinstance(table_obj, dict) else tuple(extended)
+    )
+    load_config(None, [f"{key}=new_variant"])

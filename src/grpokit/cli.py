@@ -236,10 +236,11 @@ def _model_dir(path: str):
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from grpokit.config import RewardSpec
     from grpokit.data.datasets import format_prompt, load_rows
     from grpokit.data.tasks import TaskSource
     from grpokit.models.loading import load_model
-    from grpokit.rewards.registry import WeightedReward, get, is_verifier
+    from grpokit.rewards.registry import build_rewards
     from grpokit.train.evaluate import evaluate, evaluate_sampled
 
     if args.task:
@@ -250,10 +251,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     names = args.reward or (["task_verifier"] if args.task else [])
     if not names:
         raise ConfigError("--dataset needs at least one --reward (e.g. a 'module:function' verifier)")
-    rewards = []
-    for name in names:
-        options = {"task": args.task} if name == "task_verifier" else {}
-        rewards.append(WeightedReward(name.split(":")[-1], get(name, **options), 1.0, is_verifier(name)))
+    rewards = build_rewards([RewardSpec(name=name) for name in names], task=args.task)
     prompts = [format_prompt(r, args.prompt_column, args.template) for r in rows]
     model_dir = _model_dir(args.model)
     model, tok = load_model(model_dir)

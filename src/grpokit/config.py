@@ -285,7 +285,7 @@ class MonitorConfig:
     window: int = _f(20, "Steps over which trends are measured.")
     proxy_rise: float = _f(0.1, "Alert when the reward rises at least this much over the window ...")
     verifier_stall: float = _f(0.02, "... while verifier accuracy moves at most this much.")
-    kl_max: float = _f(1.0, "Alert when the KL to the reference exceeds this.")
+    kl_max: float = _f(1.0, "Alert when the KL to the reference, averaged over the window, exceeds this.")
     kl_rate: float = _f(0.02, "Alert when the KL's slope over the window exceeds this per step.")
     length_drift: float = _f(2.0, "Alert when completion length moves beyond this factor of its start.")
     zero_std_max: float = _f(
@@ -439,23 +439,24 @@ def validate(cfg: GRPOConfig) -> None:
         "rollout.stop", all(isinstance(s, str) and s for s in r.stop), r.stop, "a list of non-empty strings"
     )
 
-    _check_choice("algo.estimator", a.estimator, ("grpo", "dr_grpo", "rloo", "reinforce"))
-    _check_choice("algo.scale", a.scale, ("group", "batch", "none"))
+    # the choices are the algo tables themselves: a variant added there is accepted here
+    from grpokit.algo.advantages import ESTIMATORS, SCALES
+    from grpokit.algo.kl import KL_KINDS
+    from grpokit.algo.losses import AGGREGATIONS, RATIO_LEVELS, SURROGATES
+
+    _check_choice("algo.estimator", a.estimator, ESTIMATORS)
+    _check_choice("algo.scale", a.scale, SCALES)
     if a.estimator == "dr_grpo" and a.scale != "none":
         raise ConfigError(f"algo.scale: dr_grpo means no std scaling, got {a.scale!r}; use none")
     _check("algo.eps", a.eps >= 0, a.eps, ">= 0")
-    _check_choice(
-        "algo.aggregation",
-        a.aggregation,
-        ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "bnpo"),
-    )
-    _check_choice("algo.ratio_level", a.ratio_level, ("token", "sequence"))
+    _check_choice("algo.aggregation", a.aggregation, tuple(AGGREGATIONS))
+    _check_choice("algo.ratio_level", a.ratio_level, tuple(RATIO_LEVELS))
     _check("algo.clip_low", 0 <= a.clip_low < 1, a.clip_low, "in [0, 1)")
     _check("algo.clip_high", a.clip_high >= 0, a.clip_high, ">= 0")
     _check("algo.beta", a.beta >= 0, a.beta, ">= 0")
-    _check_choice("algo.kl", a.kl, ("k1", "k2", "k3"))
+    _check_choice("algo.kl", a.kl, KL_KINDS)
     _check_choice("algo.kl_placement", a.kl_placement, ("loss", "reward"))
-    _check_choice("algo.surrogate", a.surrogate, ("clip", "cispo", "sapo"))
+    _check_choice("algo.surrogate", a.surrogate, tuple(SURROGATES))
     _check_choice(
         "algo.reward_combination", a.reward_combination, ("sum_then_normalize", "normalize_then_sum")
     )

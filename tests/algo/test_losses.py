@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from grpokit.algo import policy_loss
+from grpokit.algo import losses, policy_loss
 from tests.algo import reference as ref
 
 AGGS = ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
@@ -396,3 +396,27 @@ def test_bnpo_is_the_mean_of_local_token_means():
 def test_bad_variant_inputs(kwargs, match):
     with pytest.raises(ValueError, match=match):
         policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3), **kwargs)
+
+
+def test_loss_spec_refuses_misspelled_and_bad_options():
+    from grpokit.algo import LossSpec
+
+    with pytest.raises(TypeError, match="clip_lo"):
+        LossSpec(clip_lo=0.2)
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        LossSpec(aggregation="token_sum")
+    with pytest.raises(ValueError, match="kl_kind must be one of"):
+        LossSpec(kl_kind="k4")
+    # each surrogate and aggregation declares exactly the options it takes: no ** sink accepts a typo
+    from grpokit.algo.losses import AGGREGATION_COUNTS, SURROGATE_OPTIONS
+
+    assert SURROGATE_OPTIONS == {
+        "clip": ("clip_low", "clip_high", "delta"),
+        "cispo": ("cispo_max_ratio",),
+        "sapo": ("sapo_tau_pos", "sapo_tau_neg"),
+    }
+    assert AGGREGATION_COUNTS["token_mean"] == ("num_tokens",)
+    with pytest.raises(TypeError):
+        losses.clipped_surrogate(
+            torch.ones(1, 1), torch.zeros(1, 1), torch.ones(1, 1), clip_low=0.2, clip_high=0.2, clip_hi=1
+        )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import random
 
 import pytest
@@ -71,7 +70,21 @@ def test_kl_too_high_and_growing_too_fast():
     kinds = [a.kind for a in alerts]
     assert kinds.index("kl_growth") < kinds.index("kl_high")  # the rate warns before the level
     high = next(a for a in alerts if a.kind == "kl_high")
-    assert high.evidence["kl"] > 1.0 and high.step == 30 + math.ceil((1.0 - 0.02) / 0.03) + 1
+    window_means = [sum(m["kl"] for m in stream[i - 19 : i + 1]) / 20 for i in range(19, len(stream))]
+    first = 19 + next(i for i, v in enumerate(window_means) if v > 1.0)
+    assert high.evidence["kl_window_mean"] > 1.0 and high.step == first + 1  # run() numbers steps from 1
+
+
+def test_single_kl_spikes_raise_nothing():
+    # the demo's pattern (3 seeds, exact verifier, beta 0.04): KL around 0.3 per step with single
+    # steps reaching 1.25; only a window's mean above kl_max is a high KL
+    rng = random.Random(7)
+    stream = []
+    for i in range(300):
+        m = clean_step(i, rng)
+        m["kl"] = 1.3 if i % 37 == 20 else 0.3 + 0.1 * rng.random()
+        stream.append(m)
+    assert [a.kind for a in run(stream)] == []
 
 
 def test_length_drift_both_ways():
@@ -109,11 +122,12 @@ def test_a_phrase_spreading_through_the_batch():
 
 def test_alerts_are_edge_triggered():
     monitor = HackingMonitor(MonitorConfig(window=2))
-    hot = {"kl": 5.0}
-    assert [a.kind for a in monitor.observe(1, hot)] == ["kl_high"]
-    assert monitor.observe(2, hot) == []  # still high: not repeated
-    assert monitor.observe(3, {"kl": 0.1}) == []
-    assert "kl_high" in [a.kind for a in monitor.observe(4, hot)]  # cleared, then back
+    hot, cold = {"kl": 5.0}, {"kl": 0.1}
+    assert monitor.observe(1, hot) == []  # a window is not full yet
+    assert [a.kind for a in monitor.observe(2, hot)] == ["kl_high"]
+    assert monitor.observe(3, hot) == []  # still high: not repeated
+    assert monitor.observe(4, cold) == [] and monitor.observe(5, cold) == []  # the window cools
+    assert "kl_high" in [a.kind for a in monitor.observe(6, hot)]  # cleared, then back (mean 2.55)
 
 
 def test_in_a_run_alerts_are_logged_and_stop_on_hacking_stops(tmp_path, tiny_dir):
@@ -135,6 +149,7 @@ def test_in_a_run_alerts_are_logged_and_stop_on_hacking_stops(tmp_path, tiny_dir
             "train.eval_max_prompts=4",
             "algo.beta=0.1",
             "monitor.kl_max=1e-9",
+            "monitor.window=2",
             "monitor.stop_on_hacking=true",
         ],
     )

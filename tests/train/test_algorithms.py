@@ -57,7 +57,7 @@ def test_each_preset_trains_and_its_loss_is_the_papers(tmp_path, tiny_dir, algor
         if not path.exists():  # a skipped (no-signal) step dumps nothing
             continue
         d = torch.load(path, weights_only=False)
-        kw = d["loss_kwargs"]
+        kw = d["loss_spec"]
         assert kw["aggregation"] == preset["aggregation"] and kw["ratio_level"] == preset["ratio_level"]
         assert kw["clip_low"] == preset["clip_low"]
         assert kw["clip_high"] == (preset["clip_high"] or preset["clip_low"])
@@ -111,7 +111,7 @@ def test_rloo_puts_k1_kl_into_the_reward(tmp_path, tiny_dir):
             p.mul_(1.5)
     trainer.train()
     d = torch.load(tmp_path / "run" / "tensors" / "step-000001.pt", weights_only=False)
-    assert d["loss_kwargs"]["beta"] == 0.0 and d["loss_kwargs"]["kl_kind"] == "k1"
+    assert d["loss_spec"]["beta"] == 0.0 and d["loss_spec"]["kl_kind"] == "k1"
     assert d["advantages"].shape[0] == 4  # the whole group is the dumped micro-batch
     old, ref_lp, mask = d["old_logp"].double(), d["ref_logp"].double(), d["mask"]
     shaped = [

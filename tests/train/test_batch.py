@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpokit.algo import group_advantages
+from grpokit.algo import LossSpec, group_advantages
 from grpokit.rollout.sampler import SamplingParams, sample
 from grpokit.train.batch import (
     TrainBatch,
@@ -76,7 +76,7 @@ def test_accumulated_gradient_equals_full_batch_gradient(batch64, aggregation, r
     old = batch_logprobs(model, batch, [list(range(B))], 0, 1.0) - 0.05  # ratios != 1
     ref = old + 0.1
     kw = dict(
-        loss_kwargs=dict(
+        loss=LossSpec(
             beta=0.1,
             clip_low=0.2,
             clip_high=0.28,
@@ -92,7 +92,7 @@ def test_accumulated_gradient_equals_full_batch_gradient(batch64, aggregation, r
         plan = plan_micro_batches(lengths, max_rows, max_tokens)
         assert len(plan) > 1
         acc, stats = _grads(model, batch, plan, **kw)
-        assert stats["loss"] == pytest.approx(full_stats["loss"], rel=1e-10)
+        assert stats.loss == pytest.approx(full_stats.loss, rel=1e-10)
         for a, f in zip(acc, full, strict=True):
             torch.testing.assert_close(a, f, rtol=1e-9, atol=1e-12)
 
@@ -101,8 +101,8 @@ def test_first_inner_epoch_ratio_is_one(batch64):
     model, _, batch = batch64
     plan = plan_micro_batches(batch.total_lengths(), 4)
     old = batch_logprobs(model, batch, plan, 0, 1.0)
-    _, stats = _grads(model, batch, plan, loss_kwargs={}, old_logp=old)
-    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-12) and stats["ratio_max"] == pytest.approx(
+    _, stats = _grads(model, batch, plan, loss=LossSpec(), old_logp=old)
+    assert stats.ratio_mean == pytest.approx(1.0, abs=1e-12) and stats.ratio_max == pytest.approx(
         1.0, abs=1e-12
     )
-    assert stats["clip_fraction"] == 0.0
+    assert stats.clip_fraction == 0.0

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from grpokit.algo import LossSpec
 from grpokit.config import load_config
 from grpokit.models.loading import load_model
 from grpokit.rollout.sampler import SamplingParams, sample
@@ -126,7 +127,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes(tiny_dir
         batch = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, 0.2, -0.3, 0.1]))
         model.train(checkpointing)
         accumulate_policy_gradient(
-            model, batch, plan_micro_batches(batch.total_lengths(), 2), 0, temperature=1.0, loss_kwargs={}
+            model, batch, plan_micro_batches(batch.total_lengths(), 2), 0, temperature=1.0, loss=LossSpec()
         )
         grads.append([p.grad.clone() for p in model.parameters()])
         forwards.append(calls[0])

@@ -12,6 +12,7 @@ import torch
 from grpokit.config import load_config
 from grpokit.models.loading import load_model
 from grpokit.rewards.registry import WeightedReward
+from grpokit.train.optim import learning_rate
 from grpokit.train.trainer import GRPOTrainer
 
 CONTRACT_KEYS = {
@@ -188,8 +189,7 @@ def test_learning_rate_schedule(tmp_path, tiny_dir):
             "train.mu": 2,
         },
     )
-    t = GRPOTrainer(cfg)
-    lrs = [t._lr(k) for k in range(8)]
+    lrs = [learning_rate(k, cfg.train) for k in range(8)]
     assert lrs[:2] == [0.5, 1.0]
     assert lrs[2] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 5 / 6)))
     assert all(a >= b for a, b in itertools.pairwise(lrs[1:]))
@@ -200,3 +200,46 @@ def test_existing_run_dir_is_not_overwritten(tmp_path, tiny_dir):
     GRPOTrainer(cfg).train()
     with pytest.raises(FileExistsError, match="already holds a run"):
         GRPOTrainer(cfg).train()
+
+
+def test_a_part_with_no_loss_tokens_is_handled(tmp_path, tiny_dir, monkeypatch):
+    # steps_per_generation=2 and every completion of the second part masked out (as
+    # mask_truncated_completions does when all of them are truncated): the step's statistics come
+    # from the first part alone, nothing raises, and the empty part's optimizer step still counts
+    cfg = config(
+        tmp_path, tiny_dir, **{"train.steps_per_generation": 2, "train.max_steps": 2, "algo.beta": 0.0}
+    )
+    original = GRPOTrainer._batch
+
+    def second_half_masked(self, rollout):
+        batch, plans = original(self, rollout)
+        batch.completion_mask[batch.num_rows // 2 :] = False
+        return batch, plans
+
+    monkeypatch.setattr(GRPOTrainer, "_batch", second_half_masked)
+    GRPOTrainer(cfg).train()
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 2
+    for r in rows:
+        assert r["optimizer_step_skipped"] == 1 or (
+            math.isfinite(r["clip_fraction"])
+            and math.isfinite(r["ratio_mean"])
+            and math.isfinite(r["entropy"])
+        )
+
+
+def test_update_stats_combine_weights_by_tokens_and_skips_empty_steps():
+    from grpokit.train.batch import UpdateStats
+
+    a = UpdateStats(
+        loss=1.0, num_tokens=30, kl=0.1, clip_fraction=0.2, ratio_mean=1.0, ratio_max=1.5, entropy=2.0
+    )
+    b = UpdateStats(
+        loss=3.0, num_tokens=10, kl=0.5, clip_fraction=0.6, ratio_mean=2.0, ratio_max=1.2, entropy=1.0
+    )
+    empty = UpdateStats(loss=0.0, num_tokens=0)
+    c = UpdateStats.combine([a, empty, b])
+    assert c.num_tokens == 40 and c.loss == pytest.approx(4.0 / 3)
+    assert c.kl == pytest.approx((0.1 * 30 + 0.5 * 10) / 40) and c.clip_fraction == pytest.approx(0.3)
+    assert c.ratio_max == 1.5 and c.entropy == pytest.approx(1.75)
+    assert math.isnan(UpdateStats.combine([empty, empty]).kl)

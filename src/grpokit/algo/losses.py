@@ -22,11 +22,13 @@ Shape legend: B completions, T completion tokens (right-padded; ``mask_BT`` mark
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 
-from grpokit.algo.kl import kl_penalty
+from grpokit.algo.kl import KL_KINDS, kl_penalty
 
 # --------------------------------------------------------------------------------------------
 # Importance ratio: log(pi_theta / pi_old), per token or per sequence.
@@ -79,7 +81,6 @@ def clipped_surrogate(
     clip_low: float,
     clip_high: float,
     delta: float | None = None,
-    **_: float,
 ) -> torch.Tensor:
     r"""PPO's clipped surrogate as a per-token loss (negated, to minimise):
 
@@ -108,7 +109,6 @@ def cispo_surrogate(
     adv_B1: torch.Tensor,
     *,
     cispo_max_ratio: float = 5.0,
-    **_: float,
 ) -> torch.Tensor:
     r"""CISPO (MiniMax-M1, arXiv:2506.13585): clip the importance *weight*, not the update:
 
@@ -131,7 +131,6 @@ def sapo_surrogate(
     *,
     sapo_tau_pos: float = 1.0,
     sapo_tau_neg: float = 1.05,
-    **_: float,
 ) -> torch.Tensor:
     r"""SAPO (Soft Adaptive Policy Optimization, arXiv:2511.20347): a smooth gate instead of a hard clip:
 
@@ -162,15 +161,7 @@ SURROGATES: dict[str, Callable[..., torch.Tensor]] = {
 # --------------------------------------------------------------------------------------------
 
 
-def seq_mean_token_mean(
-    x_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    num_sequences: int,
-    num_tokens: int,
-    max_completion_length: int | None,
-    **_: int,
-) -> torch.Tensor:
+def seq_mean_token_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor, *, num_sequences: int) -> torch.Tensor:
     r"""DeepSeekMath GRPO (arXiv:2402.03300, eq. 3): :math:`\frac{1}{N}\sum_i \frac{1}{|o_i|}\sum_t x_{i,t}`.
 
     Denominator: ``num_sequences`` (N, completions with at least one token) times each
@@ -181,15 +172,7 @@ def seq_mean_token_mean(
     return per_seq_B.sum() / max(num_sequences, 1)
 
 
-def token_mean(
-    x_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    num_sequences: int,
-    num_tokens: int,
-    max_completion_length: int | None,
-    **_: int,
-) -> torch.Tensor:
+def token_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor, *, num_tokens: int) -> torch.Tensor:
     r"""DAPO token-level loss (arXiv:2503.14476, sec. 3.3):
 
     :math:`\frac{1}{\sum_i |o_i|}\sum_i\sum_t x_{i,t}`.
@@ -200,13 +183,7 @@ def token_mean(
 
 
 def seq_mean_token_sum_norm(
-    x_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    num_sequences: int,
-    num_tokens: int,
-    max_completion_length: int | None,
-    **_: int,
+    x_BT: torch.Tensor, mask_BT: torch.Tensor, *, num_sequences: int, max_completion_length: int | None
 ) -> torch.Tensor:
     r"""Dr. GRPO (arXiv:2503.20783, sec. 3): :math:`\frac{1}{N \cdot L_{max}}\sum_i\sum_t x_{i,t}`.
 
@@ -220,15 +197,7 @@ def seq_mean_token_sum_norm(
     return total / (max(num_sequences, 1) * max_completion_length)
 
 
-def bnpo(
-    x_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    num_sequences: int,
-    num_tokens: int,
-    max_completion_length: int | None,
-    num_micro_batches: int = 1,
-) -> torch.Tensor:
+def bnpo(x_BT: torch.Tensor, mask_BT: torch.Tensor, *, num_micro_batches: int = 1) -> torch.Tensor:
     r"""BNPO / TRL's ``bnpo``: token mean over the *local micro-batch*, averaged over micro-batches:
 
     :math:`\frac{1}{M}\,\frac{1}{\sum_{i \in mb} |o_i|}\sum_{i \in mb}\sum_t x_{i,t}`.
@@ -247,6 +216,62 @@ AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
     "bnpo": bnpo,
 }
+
+
+def _keyword_options(fn: Callable) -> tuple[str, ...]:
+    return tuple(n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY)
+
+
+# What each piece is passed: exactly the keyword-only parameters it declares (no ``**`` sinks, so
+# an option a piece does not take is never silently accepted).
+SURROGATE_OPTIONS = {name: _keyword_options(fn) for name, fn in SURROGATES.items()}
+AGGREGATION_COUNTS = {name: _keyword_options(fn) for name, fn in AGGREGATIONS.items()}
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The policy loss's options for a run: built once (the trainer builds it from ``algo``),
+    validated on construction, passed to :func:`policy_loss` as ``**spec.kwargs()``. A misspelled
+    option is a ``TypeError`` here rather than a silently ignored keyword."""
+
+    beta: float = 0.0
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    ratio_level: str = "token"
+    aggregation: str = "seq_mean_token_mean"
+    max_completion_length: int | None = None
+    kl_kind: str = "k3"
+    surrogate: str = "clip"
+    delta: float | None = None
+    cispo_max_ratio: float = 5.0
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+
+    def __post_init__(self) -> None:
+        if not self.beta >= 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta!r}")
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low!r}")
+        if self.clip_high is not None and not self.clip_high >= 0:
+            raise ValueError(f"clip_high must be >= 0 or None (= clip_low), got {self.clip_high!r}")
+        for option, value, table in (
+            ("ratio_level", self.ratio_level, RATIO_LEVELS),
+            ("aggregation", self.aggregation, AGGREGATIONS),
+            ("surrogate", self.surrogate, SURROGATES),
+            ("kl_kind", self.kl_kind, KL_KINDS),
+        ):
+            if value not in table:
+                raise ValueError(f"{option} must be one of {tuple(table)}, got {value!r}")
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(
+                f"max_completion_length must be a positive int, got {self.max_completion_length!r}"
+            )
+        if self.delta is not None and not self.delta > 1:
+            raise ValueError(f"delta (two-sided clipping) must be > 1 or None, got {self.delta!r}")
+
+    def kwargs(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
 
 # --------------------------------------------------------------------------------------------
 # The loss.
@@ -321,28 +346,21 @@ def policy_loss(
         ``clip_fraction``, ``clip_fraction_low``, ``clip_fraction_high`` (fraction of tokens whose
         gradient the clip zeroes), ``ratio_mean``, ``ratio_min``, ``ratio_max``, ``num_tokens``.
     """
-    mask_BT = _check_loss_inputs(logp, old_logp, advantages, mask, ref_logp, beta, clip_low, clip_high)
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"ratio_level must be one of {tuple(RATIO_LEVELS)}, got {ratio_level!r}")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {tuple(AGGREGATIONS)}, got {aggregation!r}")
-    if max_completion_length is not None and max_completion_length < 1:
-        raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
-    if surrogate not in SURROGATES:
-        raise ValueError(f"surrogate must be one of {tuple(SURROGATES)}, got {surrogate!r}")
-    if delta is not None and not delta > 1:
-        raise ValueError(f"delta (two-sided clipping) must be > 1 or None, got {delta!r}")
+    spec = LossSpec(beta, clip_low, clip_high, ratio_level, aggregation, max_completion_length, kl_kind,
+                    surrogate, delta, cispo_max_ratio, sapo_tau_pos, sapo_tau_neg)  # fmt: skip
+    mask_BT = _check_loss_inputs(logp, old_logp, advantages, mask, ref_logp, beta)
     if pg_mask is not None and pg_mask.shape != mask.shape:
         raise ValueError(f"pg_mask has shape {tuple(pg_mask.shape)} but mask has {tuple(mask.shape)}")
     clip_high = clip_low if clip_high is None else clip_high
 
     batch_tokens = int(mask_BT.sum())
-    counts = {
+    available = {
         "num_sequences": int(mask_BT.any(dim=1).sum()) if num_sequences is None else num_sequences,
         "num_tokens": batch_tokens if num_tokens is None else num_tokens,
         "max_completion_length": max_completion_length,
         "num_micro_batches": num_micro_batches,
     }
+    counts = {k: available[k] for k in AGGREGATION_COUNTS[aggregation]}
     aggregate = AGGREGATIONS[aggregation]
 
     # Zero the padded positions of every input first: a where() downstream blocks the value, but
@@ -355,16 +373,9 @@ def policy_loss(
     adv_B1 = advantages.detach().to(logp.dtype).unsqueeze(1)
     log_ratio_BT = RATIO_LEVELS[ratio_level](logp, old_logp, mask_BT)
     ratio_BT = torch.exp(log_ratio_BT)
+    options = {**spec.kwargs(), "clip_high": clip_high}
     surrogate_BT = SURROGATES[surrogate](
-        ratio_BT,
-        logp,
-        adv_B1,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        delta=delta,
-        cispo_max_ratio=cispo_max_ratio,
-        sapo_tau_pos=sapo_tau_pos,
-        sapo_tau_neg=sapo_tau_neg,
+        ratio_BT, logp, adv_B1, **{k: options[k] for k in SURROGATE_OPTIONS[surrogate]}
     )
     if pg_mask is not None:
         surrogate_BT = torch.where(pg_mask.bool(), surrogate_BT, torch.zeros_like(surrogate_BT))
@@ -418,10 +429,8 @@ def _check_loss_inputs(
     mask: torch.Tensor,
     ref_logp: torch.Tensor | None,
     beta: float,
-    clip_low: float,
-    clip_high: float | None,
 ) -> torch.Tensor:
-    """Validate shapes and hyper-parameters; return the mask as bool ``[B, T]``."""
+    """Validate shapes (:class:`LossSpec` validates the options); return the mask as bool ``[B, T]``."""
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T] (completion tokens), got shape {tuple(logp.shape)}")
     named = {"old_logp": old_logp, "mask": mask} | ({"ref_logp": ref_logp} if ref_logp is not None else {})
@@ -430,12 +439,6 @@ def _check_loss_inputs(
             raise ValueError(f"{name} has shape {tuple(t.shape)} but logp has {tuple(logp.shape)}")
     if advantages.shape != logp.shape[:1]:
         raise ValueError(f"advantages must be [B]={tuple(logp.shape[:1])}, got {tuple(advantages.shape)}")
-    if not beta >= 0:
-        raise ValueError(f"beta must be >= 0, got {beta!r}")
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp (reference-model log-probs); pass them or set beta=0")
-    if not 0 <= clip_low < 1:
-        raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
-    if clip_high is not None and not clip_high >= 0:
-        raise ValueError(f"clip_high must be >= 0 or None (= clip_low), got {clip_high!r}")
     return mask.bool()

@@ -17,7 +17,8 @@ import json
 import random
 from pathlib import Path
 
-from grpokit.errors import DataError, MissingFileError
+from grpokit.data.tasks import TaskSource
+from grpokit.errors import ConfigError, DataError, MissingFileError
 
 
 def read_jsonl(path: str | Path, prompt_column: str = "prompt") -> list[dict]:
@@ -215,3 +216,78 @@ def _chat(tokenizer, messages: list[dict]) -> str:
             "true), but the tokenizer has none; set data.chat_template: false and use a text template"
         )
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def build_sources(d, seed: int, dataset=None, eval_dataset=None) -> tuple:
+    """``(training source, held-out rows)`` for the run's ``data`` section ``d`` (``config.DataConfig``).
+
+    Training: ``dataset`` (rows given in Python), else the built-in ``d.task`` (an endless seeded
+    stream), else the file ``d.path``. Held-out: ``eval_dataset``, else ``d.eval_path``, else the
+    task's held-out split (never yielded by its training stream), else none.
+    """
+    if dataset is not None:
+        rows = list(dataset)
+        check_rows(rows, d.prompt_column)
+        train = RowsSource(rows, seed=seed, shuffle=d.shuffle)
+    elif d.task is not None:
+        train = TaskSource(d.task, seed=seed)
+    else:
+        train = RowsSource(load_rows(d.path, d.prompt_column, d.split), seed=seed, shuffle=d.shuffle)
+    if eval_dataset is not None:
+        eval_rows = list(eval_dataset)
+        check_rows(eval_rows, d.prompt_column, "eval dataset")
+    elif d.eval_path is not None:
+        eval_rows = load_rows(d.eval_path, d.prompt_column, d.eval_split)
+    elif d.task is not None and dataset is None:
+        source = TaskSource(d.task, split="eval")
+        eval_rows = [source.row(i) for i in range(len(source))]
+    else:
+        eval_rows = []
+    return train, eval_rows
+
+
+def filter_long_prompts(
+    train, eval_rows: list[dict], limit: int, length, render, *, seed: int, shuffle: bool
+) -> tuple:
+    """Drop the rows whose prompt is longer than ``limit`` tokens (``data.max_prompt_length``) from the
+    training source and the held-out rows alike. Returns ``(train, eval_rows, dropped, message)``;
+    of an endless built-in task the stream itself is filtered and ``dropped`` counts its first 500.
+
+    ``length(row)`` is the prompt's token count, ``render(row)`` the prompt text (for the error).
+    A limit that leaves no training or no held-out prompt is refused with the lengths found.
+    """
+
+    def refuse(which: str, rows: list[dict]) -> None:
+        lengths = [length(r) for r in rows]
+        longest = render(rows[lengths.index(max(lengths))])
+        raise ConfigError(
+            f"data.max_prompt_length={limit} drops every {which} prompt: they are {min(lengths)}-"
+            f"{max(lengths)} tokens long (the longest: {longest!r}); set it to at least "
+            f"{max(lengths)} to keep them all, or null"
+        )
+
+    dropped = 0
+    if isinstance(train, RowsSource):
+        kept = [r for r in train.rows if length(r) <= limit]
+        dropped += len(train.rows) - len(kept)
+        if not kept:
+            refuse("training", train.rows)
+        train = RowsSource(kept, seed=seed, shuffle=shuffle)
+    else:  # an endless built-in task: filter the stream itself
+        sample = [train.row(i) for i in range(500)]
+        num_short = sum(length(r) <= limit for r in sample)
+        if num_short == 0:
+            refuse("training", sample)
+        dropped += len(sample) - num_short
+        train = FilteredSource(train, lambda r: length(r) <= limit)
+    kept_eval = [r for r in eval_rows if length(r) <= limit]
+    if eval_rows and not kept_eval:
+        refuse("held-out", eval_rows)
+    dropped += len(eval_rows) - len(kept_eval)
+    message = None
+    if dropped:
+        where = "" if isinstance(train, RowsSource) else " (training: of the task's first 500)"
+        message = (
+            f"grpokit: dropped {dropped} prompts longer than data.max_prompt_length={limit} tokens{where}"
+        )
+    return train, kept_eval, dropped, message

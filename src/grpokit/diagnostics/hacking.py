@@ -7,8 +7,8 @@ What it does: ``HackingMonitor.observe(step, metrics, completions)`` is fed ever
 - ``proxy_up_verifier_flat``: over the last ``window`` steps the total (proxy) reward rose by at
   least ``proxy_rise`` while the verifier accuracy (rewards marked ``verifier: true``) moved by at
   most ``verifier_stall`` -- reward is being earned some other way than by being right;
-- ``kl_high`` / ``kl_growth``: KL above ``kl_max``, or its least-squares slope over the window above
-  ``kl_rate`` per step;
+- ``kl_high`` / ``kl_growth``: the KL's mean over the window above ``kl_max``, or its least-squares
+  slope over the window above ``kl_rate`` per step;
 - ``length_drift``: mean completion length over the window more than ``length_drift`` times (or
   less than 1/``length_drift`` of) the first window's;
 - ``no_signal``: ``zero_std_fraction`` at least ``zero_std_max`` for ``window`` steps running;
@@ -93,11 +93,17 @@ class HackingMonitor:
 
     def _kl(self, m: dict) -> dict:
         out = {}
-        kl = m.get("kl")
-        if kl is not None and kl > self.s.kl_max:
-            out["kl_high"] = (f"KL to the reference is {kl:.3f} > {self.s.kl_max}", {"kl": kl})
         values = [h.get("kl") for h in self.history]
         if self._full() and all(v is not None for v in values):
+            # the window's mean, not one step's value: a per-step KL estimate from a few hundred
+            # tokens is noisy (the demo's single steps reach 3-4x their window's mean)
+            mean = sum(values) / len(values)
+            if mean > self.s.kl_max:
+                out["kl_high"] = (
+                    f"KL to the reference averaged {mean:.3f} over the last {self.s.window} steps "
+                    f"(> {self.s.kl_max})",
+                    {"kl_window_mean": mean, "kl": values[-1]},
+                )
             slope = _slope(values)
             if slope > self.s.kl_rate:
                 out["kl_growth"] = (

@@ -441,3 +441,46 @@ class ParallelReward:
             out.append(0.0)
             self.last_failures += 1
         return out
+
+
+def build_rewards(
+    specs, task: str | None = None, *, given=None, overlong: tuple[int, int] | None = None
+) -> list[WeightedReward]:
+    """A run's rewards, each a :class:`WeightedReward` with a unique name.
+
+    Args:
+        specs: the configured rewards (``config.RewardSpec``: name, options, weight, verifier,
+            workers, timeout_s, error); used when ``given`` is None.
+        task: the built-in task, the default ``task`` option of ``task_verifier``.
+        given: callables or :class:`WeightedReward` passed in Python (``GRPOTrainer(rewards=...)``);
+            they replace ``specs``.
+        overlong: ``(max_len, cache_len)`` adds DAPO's overlong penalty (``algo.overlong_penalty``)
+            unless a reward named ``overlong`` is already there.
+    """
+    out = []
+    for r in given if given is not None else ():
+        out.append(
+            r if isinstance(r, WeightedReward) else WeightedReward(getattr(r, "__name__", "reward"), r)
+        )
+    for spec in specs if given is None else ():
+        options = dict(spec.options)
+        if spec.name == "task_verifier" and "task" not in options:
+            if task is None:
+                raise ConfigError("reward task_verifier needs data.task (or rewards[].options.task)")
+            options["task"] = task
+        verifier = is_verifier(spec.name) if spec.verifier is None else spec.verifier
+        if spec.workers:
+            fn = ParallelReward(spec.name, options, spec.workers, spec.timeout_s, spec.error)
+        else:
+            fn = get(spec.name, **options)
+        out.append(WeightedReward(spec.name.split(":")[-1], fn, spec.weight, verifier, spec.error))
+    if overlong is not None and not any(r.name == "overlong" for r in out):
+        out.append(
+            WeightedReward("overlong", get("overlong", max_len=overlong[0], cache_len=overlong[1]), 1.0)
+        )
+    seen: dict[str, int] = {}  # metric names (reward_<name>_mean) must not collide: _2, _3, ...
+    for r in out:
+        seen[r.name] = seen.get(r.name, 0) + 1
+        if seen[r.name] > 1:
+            r.name = f"{r.name}_{seen[r.name]}"
+    return out

@@ -197,3 +197,22 @@ def _vllm_model(llm):
         "cannot reach the model inside this vLLM version's engine to load new weights; grpokit's vllm "
         "engine was written against vLLM 0.8-0.11 (in-process external_launcher executor)"
     )
+
+
+def engine_from_config(cfg, tokenizer) -> VLLMEngine | None:
+    """The vLLM engine for ``rollout.engine: vllm`` of the run's config ``cfg``; None for the built-in
+    sampler."""
+    if cfg.rollout.engine != "vllm":
+        return None
+    from grpokit.models.loading import resolve_model_path
+
+    r = cfg.rollout
+    return VLLMEngine(
+        str(resolve_model_path(cfg.model.name_or_path, cfg.model.gguf_file)),
+        tokenizer,
+        dtype=cfg.model.dtype,
+        max_new_tokens=r.max_new_tokens,
+        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        sleep=r.vllm_sleep,
+        seed=cfg.train.seed,
+    )

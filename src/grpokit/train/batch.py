@@ -26,13 +26,53 @@ from pathlib import Path
 
 import torch
 
-from grpokit.algo import policy_loss, token_entropy, token_logprobs
+from grpokit.algo import LossSpec, policy_loss, token_entropy, token_logprobs
 from grpokit.models.loading import accepts_kwarg
 from grpokit.rollout.sampler import Rollout
 from grpokit.train.distributed import Dist, grad_sync
 
 # Per-token metrics of a micro-batch, averaged over the batch weighted by token counts.
 _TOKEN_METRICS = ("kl", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "entropy")
+_NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one optimizer step's forward/backward passes measured. The token metrics are means over
+    the step's loss tokens, NaN when it had none (e.g. every completion of the part truncated under
+    ``algo.mask_truncated_completions``); ``loss`` is then 0."""
+
+    loss: float
+    num_tokens: int
+    kl: float = _NAN
+    clip_fraction: float = _NAN
+    clip_fraction_low: float = _NAN
+    clip_fraction_high: float = _NAN
+    ratio_mean: float = _NAN
+    ratio_max: float = _NAN
+    entropy: float = _NAN
+    grad_norm: float = 0.0
+
+    @staticmethod
+    def combine(steps: list[UpdateStats]) -> UpdateStats:
+        """One generation's steps as one: ``loss`` and ``grad_norm`` averaged over the steps, the
+        token metrics weighted by each step's tokens (steps without tokens add nothing), ``ratio_max``
+        the largest."""
+        tokens = sum(s.num_tokens for s in steps)
+        weighted = {
+            key: sum(getattr(s, key) * s.num_tokens for s in steps if s.num_tokens) / tokens
+            if tokens
+            else _NAN
+            for key in _TOKEN_METRICS
+        }
+        ratio_max = max((s.ratio_max for s in steps if s.num_tokens), default=_NAN)
+        return UpdateStats(
+            loss=sum(s.loss for s in steps) / len(steps),
+            num_tokens=tokens,
+            ratio_max=ratio_max,
+            grad_norm=sum(s.grad_norm for s in steps) / len(steps),
+            **weighted,
+        )
 
 
 @dataclass
@@ -90,6 +130,29 @@ def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int | None
         else:
             plan.append([i])
     return plan
+
+
+def plan_optimizer_steps(
+    lengths: list[int],
+    group_size: int,
+    steps: int,
+    max_rows: int,
+    max_tokens: int | None = None,
+    *,
+    keep_empty: bool = False,
+) -> list[list[list[int]]]:
+    """One micro-batch plan per optimizer step of an inner epoch: the rows split into ``steps``
+    parts of whole groups (``train.steps_per_generation``), each planned by ``plan_micro_batches``.
+
+    ``keep_empty`` (under torchrun) keeps a part with no rows as an empty plan, padded later, so
+    every rank makes the same number of optimizer steps."""
+    groups, G = len(lengths) // group_size, group_size
+    parts = [list(range(k * groups // steps * G, (k + 1) * groups // steps * G)) for k in range(steps)]
+    plans = []
+    for rows in (p for p in parts if p or keep_empty):
+        local = plan_micro_batches([lengths[r] for r in rows], max_rows, max_tokens)
+        plans.append([[rows[i] for i in mb] for mb in local])
+    return plans
 
 
 def collate(batch: TrainBatch, rows: list[int], pad_id: int, device: torch.device) -> MicroBatch:
@@ -163,20 +226,20 @@ def accumulate_policy_gradient(
     pad_id: int,
     *,
     temperature: float,
-    loss_kwargs: dict,
+    loss: LossSpec,
     old_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     entropy_top_q: float | None = None,
     dump_path: Path | None = None,
     dist: Dist | None = None,
-) -> dict[str, float]:
+) -> UpdateStats:
     """Forward + backward over every micro-batch of ``plan``; gradients accumulate in ``.grad``.
 
     The loss of each micro-batch is normalised by the counts of *all the rows of the plan* (one
     optimizer step), so the accumulated gradient is the gradient of that step's full loss.
 
     Args:
-        loss_kwargs: keyword arguments of ``algo.policy_loss`` (clip, beta, aggregation, ...).
+        loss: the loss's options (clip, beta, aggregation, ...), :class:`grpokit.algo.LossSpec`.
         old_logp: ``[B, T]`` sampling-policy log-probs; None means pi_old is the current policy
             (one inner step per generation) and ``logp.detach()`` is used: no extra forward pass.
         ref_logp: ``[B, T]`` reference log-probs, or None.
@@ -189,8 +252,9 @@ def accumulate_policy_gradient(
             loss is scaled by the world size because DDP and FSDP average gradients over ranks.
 
     Returns:
-        Token-weighted means over the batch (all ranks) of the loss metrics, ``entropy`` and
-        ``loss`` (the full loss: the sum of the globally normalised micro-batch losses).
+        :class:`UpdateStats`: token-weighted means over the batch (all ranks) of the loss metrics
+        and ``entropy`` (NaN without loss tokens), and ``loss`` (the full loss: the sum of the
+        globally normalised micro-batch losses).
     """
     d = dist or Dist()
     mask_all = batch.completion_mask[[r for rows in plan for r in rows]]
@@ -206,7 +270,7 @@ def accumulate_policy_gradient(
     for k, rows in enumerate(plan):
         with grad_sync(model, enabled=k == len(plan) - 1):
             stats = _micro_batch_backward(
-                model, batch, rows, pad_id, temperature, loss_kwargs, counts, old_logp, ref_logp,
+                model, batch, rows, pad_id, temperature, loss, counts, old_logp, ref_logp,
                 entropy_top_q, dump_path if k == 0 else None, d.world_size,
             )  # fmt: skip
         if stats is None:
@@ -219,13 +283,14 @@ def accumulate_policy_gradient(
             sums[key] += stats[key] * n
     loss_total, tokens, *values = d.sum([loss_total, float(tokens), *(sums[key] for key in _TOKEN_METRICS)])
     ratio_max, tokens = d.max(ratio_max), int(tokens)
-    out = {key: v / tokens for key, v in zip(_TOKEN_METRICS, values, strict=True)} if tokens else {}
-    out.update(loss=loss_total, ratio_max=ratio_max if tokens else float("nan"), num_tokens=tokens)
-    return out
+    if not tokens:
+        return UpdateStats(loss=loss_total, num_tokens=0)
+    means = {key: v / tokens for key, v in zip(_TOKEN_METRICS, values, strict=True)}
+    return UpdateStats(loss=loss_total, num_tokens=tokens, ratio_max=ratio_max, **means)
 
 
 def _micro_batch_backward(
-    model, batch, rows, pad_id, temperature, loss_kwargs, counts, old_logp, ref_logp, entropy_top_q,
+    model, batch, rows, pad_id, temperature, spec, counts, old_logp, ref_logp, entropy_top_q,
     dump_path, world_size,
 ) -> dict[str, float] | None:  # fmt: skip
     """Forward + backward of one micro-batch; its metrics, or None when it has no tokens. An empty
@@ -244,7 +309,7 @@ def _micro_batch_backward(
         threshold = torch.quantile(entropy[mb.completion_mask].float(), 1.0 - entropy_top_q)
         pg_mask = mb.completion_mask & (entropy >= threshold)
     loss, m = policy_loss(
-        logp, old, adv, mb.completion_mask, ref_logp=ref, pg_mask=pg_mask, **loss_kwargs, **counts
+        logp, old, adv, mb.completion_mask, ref_logp=ref, pg_mask=pg_mask, **spec.kwargs(), **counts
     )
     if dump_path is not None and not dummy:
         torch.save(
@@ -256,7 +321,7 @@ def _micro_batch_backward(
                 "ref_logp": None if ref is None else ref.cpu(),
                 "pg_mask": None if pg_mask is None else pg_mask.cpu(),
                 "loss": loss.detach().cpu(),
-                "loss_kwargs": loss_kwargs,
+                "loss_spec": spec.kwargs(),
                 "counts": counts,
                 "rows": list(rows),
             },

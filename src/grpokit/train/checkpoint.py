@@ -29,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -298,3 +299,32 @@ def _fault_hook(tmp: Path, step: int) -> None:
     if spec and int(spec.split(":")[0]) == step:
         (tmp.parent / "PAUSED_IN_SAVE").write_text(str(os.getpid()))
         time.sleep(float(spec.split(":")[1]))
+
+
+class StopOnSignal:
+    """While active, SIGINT / SIGTERM only set ``signum``: the loop stops at the end of the step.
+
+    A second signal while stopping restores the default behaviour (a second Ctrl-C kills).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+            os.kill(os.getpid(), signum)
+        self.signum = signum
+
+    def __enter__(self) -> StopOnSignal:
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: signals stay as they are
+            self._old = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)

@@ -6,16 +6,30 @@ to TensorBoard when asked (``logging.tensorboard``), and drives a rich progress 
 reward, accuracy, KL, tokens/s and ETA. NaN values (a metric that has no
 value this step, e.g. KL without a reference model) are written as JSON ``null``.
 
-What it deliberately does not do: compute metrics (the trainer and the algo functions do), or
-decide what is a warning (``diagnostics`` does).
+It also lays out a step's row (``step_metrics``, from the values the trainer and the algo
+functions computed) and picks the logged samples (``sample_rows``).
+
+What it deliberately does not do: compute the statistics themselves, or decide what is a warning
+(``diagnostics`` does).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from grpokit.algo import zero_std_groups
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpokit.rewards.registry import Scores
+    from grpokit.rollout.sampler import Rollout
+    from grpokit.train.batch import UpdateStats
 
 
 def json_safe(value: Any) -> Any:
@@ -114,3 +128,99 @@ def progress_text(m: dict) -> str:
     if m.get("eval_accuracy") is not None:
         parts.append(fmt("eval_accuracy", "eval acc", ".1%"))
     return "  ".join(p for p in parts if p)
+
+
+def step_metrics(
+    step: int, rollout: Rollout, scores: Scores, adv_B: torch.Tensor, stats: UpdateStats, times
+) -> dict:
+    """The step's row of metrics.jsonl: rewards, advantages, the update's statistics, lengths, times."""
+    t0, t_sampled, t1, _, t3 = times  # start, sampling done (summed), generation done, advantages, update
+    total, lengths = scores.total, rollout.completion_lengths.float()
+    return {
+        "step": step,
+        "loss": stats.loss,
+        "reward_mean": float(total.mean()),
+        "reward_std": float(total.std()),
+        **{f"reward_{k}_mean": float(v.nanmean()) for k, v in scores.per_reward.items()},
+        "accuracy": None if scores.verifier is None else float(scores.verifier.nanmean()),
+        "advantage_mean": float(adv_B.mean()),
+        "advantage_std": float(adv_B.std()),
+        "advantage_abs_mean": float(adv_B.abs().mean()),
+        "zero_std_fraction": float(zero_std_groups(total, rollout.group_size).float().mean()),
+        "kl": stats.kl,
+        "clip_fraction": stats.clip_fraction,
+        "clip_fraction_low": stats.clip_fraction_low,
+        "clip_fraction_high": stats.clip_fraction_high,
+        "ratio_mean": stats.ratio_mean,
+        "ratio_max": stats.ratio_max,
+        "entropy": stats.entropy,
+        "completion_length_mean": float(lengths.mean()),
+        "completion_length_max": int(lengths.max()),
+        "truncated_fraction": float(rollout.truncated.float().mean()),
+        "grad_norm": stats.grad_norm,
+        "num_unscored": scores.num_unscored,
+        "reward_failures": scores.num_failed,
+        "time_sampling_s": t_sampled - t0,
+        "time_scoring_s": t1 - t_sampled,
+        "time_training_s": t3 - t1,
+        "tokens_per_s": float(lengths.sum()) / max(t3 - t0, 1e-9),
+    }
+
+
+def sample_rows(
+    seed: int, step: int, n: int, prompts_B: list[str], rollout: Rollout, scores: Scores, adv_B: torch.Tensor
+) -> list[dict]:
+    """``n`` of the step's completions for samples.jsonl, picked by their own ``random.Random`` (seeded
+    by the run's seed and the step), so logging more or fewer never changes the training trajectory."""
+    rng = random.Random(f"{seed}:samples:{step}")
+    picks = sorted(rng.sample(range(rollout.num_rows), min(n, rollout.num_rows)))
+    return [
+        {
+            "step": step,
+            "prompt": prompts_B[i],
+            "completion": rollout.completions[i],
+            "reward": float(scores.total[i]),
+            "advantage": float(adv_B[i]),
+            "rewards": {k: float(v[i]) for k, v in scores.per_reward.items()},
+            **(
+                {"extra": {k: json_safe(v[i]) for k, v in scores.extra_columns.items()}}
+                if scores.extra_columns
+                else {}
+            ),
+        }
+        for i in picks
+    ]
+
+
+class NoLogger:
+    """Ranks other than 0 write nothing: the run directory is rank 0's."""
+
+    def log_step(self, metrics: dict) -> None: ...
+
+    def log_samples(self, rows: list[dict]) -> None: ...
+
+    def print(self, text: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def truncate_logs(run_dir: Path, step: int) -> None:
+    """Keep only the metrics.jsonl / samples.jsonl lines of steps <= ``step`` (atomic rewrite).
+
+    After a crash the logs may run past the checkpoint being resumed; those steps are re-run, so
+    their old lines go, and every step ends up logged exactly once.
+    """
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = run_dir / name
+        if not path.exists():
+            continue
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                break  # a line cut by the crash: nothing after it is trustworthy
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
