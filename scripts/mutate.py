@@ -58,8 +58,8 @@ MUTANTS = [
     Mutant(
         "KL in the reward dropped (rloo)",
         "src/grpokit/train/trainer.py",
-        "total_B = kl_shaped_rewards(total_B, old_logp, ref_logp, batch.completion_mask, a.beta, a.kl)",
-        "pass",
+        "return kl_shaped_rewards(total_B, old_logp, ref_logp, batch.completion_mask, a.beta, a.kl)",
+        "return total_B",
         ("tests/train/test_algorithms.py::test_rloo_puts_k1_kl_into_the_reward",),
     ),
     Mutant(
@@ -72,7 +72,7 @@ MUTANTS = [
     Mutant(
         "gradient checkpointing never engaged by the trainer",
         "src/grpokit/train/trainer.py",
-        "self.train_module.train(self.cfg.model.gradient_checkpointing)",
+        "self.train_module.train(cfg.model.gradient_checkpointing)",
         "self.train_module.train(False)",
         ("tests/train/test_lora.py::test_the_trainer_engages_gradient_checkpointing",),
     ),
@@ -86,10 +86,9 @@ MUTANTS = [
     Mutant(
         "sample logging draws from the training generator",
         "src/grpokit/train/trainer.py",
-        "picks = sorted(rng.sample(range(rollout.num_rows), "
-        "min(self.cfg.train.log_samples, rollout.num_rows)))",
-        "picks = sorted({int(torch.randint(rollout.num_rows, (1,), generator=self.generator)) "
-        "for _ in range(self.cfg.train.log_samples)})",
+        "return metrics, sample_rows(t.seed, self.step, t.log_samples, prompts_B, rollout, scores, adv_B)",
+        "torch.rand(t.log_samples, generator=self.generator)\n        "
+        "return metrics, sample_rows(t.seed, self.step, t.log_samples, prompts_B, rollout, scores, adv_B)",
         ("tests/train/test_trainer.py::test_log_samples_does_not_change_training",),
     ),
     Mutant(
@@ -101,10 +100,45 @@ MUTANTS = [
     ),
     Mutant(
         "max_prompt_length ignored for a built-in task",
-        "src/grpokit/train/trainer.py",
-        "self.train_source = FilteredSource(self.train_source, lambda r: length(r) <= limit)",
+        "src/grpokit/data/datasets.py",
+        "train = FilteredSource(train, lambda r: length(r) <= limit)",
         "pass",
         ("tests/data/test_datasets.py::test_max_prompt_length_filters_a_built_in_task_like_a_dataset",),
+    ),
+    Mutant(
+        "a step without loss tokens counted in the metrics",
+        "src/grpokit/train/batch.py",
+        "sum(getattr(s, key) * s.num_tokens for s in steps if s.num_tokens) / tokens",
+        "sum(getattr(s, key) * s.num_tokens for s in steps) / tokens",
+        ("tests/train/test_trainer.py::test_update_stats_combine_weights_by_tokens_and_skips_empty_steps",),
+    ),
+    Mutant(
+        "kl_high on one step's KL",
+        "src/grpokit/diagnostics/hacking.py",
+        "mean = sum(values) / len(values)",
+        "mean = values[-1]",
+        ("tests/diagnostics/test_hacking_monitor.py::test_single_kl_spikes_raise_nothing",),
+    ),
+    Mutant(
+        "config choices hard-coded, not the algo tables",
+        "src/grpokit/config.py",
+        '_check_choice("algo.surrogate", a.surrogate, tuple(SURROGATES))',
+        '_check_choice("algo.surrogate", a.surrogate, ("clip", "cispo", "sapo"))',
+        ("tests/test_config.py::test_algo_choices_are_the_algo_tables",),
+    ),
+    Mutant(
+        "every ValueError shown as one line",
+        "src/grpokit/cli.py",
+        "except UserError as e:",
+        "except (UserError, ValueError) as e:",
+        ("tests/test_cli.py::test_user_errors_are_one_line_and_library_bugs_keep_their_traceback",),
+    ),
+    Mutant(
+        "data/ imports rewards/ again (a circle)",
+        "src/grpokit/data/tasks.py",
+        "from grpokit.data.answers import extract_answer, is_hedged",
+        "from grpokit.rewards.math import extract_answer, is_hedged",
+        ("tests/test_layout.py::test_no_circles_between_rooms",),
     ),
 ]
 

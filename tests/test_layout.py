@@ -76,3 +76,16 @@ def test_no_circles_between_rooms():
                 reach[u] |= more
                 changed = True
     assert [u for u in sorted(units) if u in reach[u]] == []
+
+
+def test_the_torch_floor_has_what_grpokit_imports():
+    # train/distributed.py imports fully_shard from torch.distributed.fsdp, public from torch 2.6 on
+    # (before: torch.distributed._composable.fsdp); the floor in pyproject must not promise older
+    import re
+    import tomllib
+
+    pyproject = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text())
+    (spec,) = [d for d in pyproject["project"]["dependencies"] if re.match(r"torch\b", d)]
+    floor = tuple(int(x) for x in re.search(r">=\s*([\d.]+)", spec).group(1).split(".")[:2])
+    assert floor >= (2, 6), spec
+    assert any(t == "torch.distributed.fsdp" for _, t in GRAPH["train"])  # the import that sets the floor

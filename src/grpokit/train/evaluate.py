@@ -161,3 +161,27 @@ def evaluate_sampled(
         "pass@k": {k: v / num for k, v in pass_sums.items()},
         "maj@k": {k: v / num for k, v in maj_sums.items()},
     }
+
+
+def evaluate_sharded(
+    model, tokenizer, rows: list[dict], render, rewards: list[WeightedReward], cfg, dist
+) -> dict:
+    """Greedy evaluation of ``rows`` (prompts built by ``render(row)``) with the run's config ``cfg``;
+    under torchrun each rank decodes a contiguous share and the results are combined (rank 0's share
+    holds the first examples)."""
+    W, r, d = dist.world_size, dist.rank, cfg.data
+    rows = rows[r * len(rows) // W : (r + 1) * len(rows) // W]
+    result = {"reward_mean": 0.0, "accuracy": None, "num_prompts": 0, "num_verified": 0, "examples": []}
+    if rows:
+        result = evaluate(
+            model,
+            tokenizer,
+            rows,
+            [render(row) for row in rows],
+            rewards,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            stop=tuple(cfg.rollout.stop),
+            prompt_column=d.prompt_column,
+            answer_column=d.answer_column,
+        )
+    return combine_evaluations(dist.all_gather_objects(result)) if dist.enabled else result

@@ -167,6 +167,22 @@ def step_metrics(
     }
 
 
+def run_summary(
+    steps: int, wall: float, world_size: int, counts: dict, alerts: list, stopped_early: str | None,
+    last: dict, task: str | None, before: dict | None, after: dict | None,
+) -> dict:  # fmt: skip
+    """summary.json: the run's size and outcome, the held-out evaluations before and after."""
+    s = {"steps": steps, "wall_time_s": round(wall, 3), "world_size": world_size, **counts, "alerts": alerts,
+         "stopped_early": stopped_early, "final_step_metrics": last}  # fmt: skip
+    if task is not None:
+        s["task"] = task
+    for tag, ev in (("before", before), ("after", after)):
+        if ev is not None:
+            s[f"reward_{tag}"], s[f"accuracy_{tag}"] = ev["reward_mean"], ev["accuracy"]
+            s[f"eval_examples_{tag}"] = ev["examples"]
+    return s
+
+
 def sample_rows(
     seed: int, step: int, n: int, prompts_B: list[str], rollout: Rollout, scores: Scores, adv_B: torch.Tensor
 ) -> list[dict]:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from grpokit.algo import LossSpec, decoupled_advantages, group_advantages, kl_shaped_rewards, zero_std_groups
+from grpokit.algo import LossSpec, decoupled_advantages, group_advantages, kl_shaped_rewards
 from grpokit.config import GRPOConfig
 from grpokit.data.datasets import RowsSource, build_prompt, build_sources, filter_long_prompts
 from grpokit.diagnostics.hacking import HackingMonitor
@@ -77,8 +77,17 @@ from grpokit.train.distributed import (
     shard,
     wrap,
 )
-from grpokit.train.evaluate import combine_evaluations, evaluate
-from grpokit.train.metrics import NoLogger, RunLogger, json_safe, sample_rows, step_metrics, truncate_logs
+from grpokit.train.evaluate import evaluate_sharded
+from grpokit.train.generate import collect_groups
+from grpokit.train.metrics import (
+    NoLogger,
+    RunLogger,
+    json_safe,
+    run_summary,
+    sample_rows,
+    step_metrics,
+    truncate_logs,
+)
 from grpokit.train.optim import build_optimizer, learning_rate
 
 
@@ -365,49 +374,34 @@ class GRPOTrainer:
         return None
 
     def _generate(self) -> tuple[list[str], Rollout, Scores, dict]:
-        """Sample and score ``prompts_per_step`` groups. With DAPO's dynamic sampling, keep drawing
-        batches (at most ``algo.dynamic_sampling_max_batches``) and keep only groups whose verifier
-        accuracy (or, without a verifier, total reward) differs, until ``prompts_per_step`` of them
-        are found; fewer if the cap is reached.
+        """Sample and score this rank's ``prompts_per_step / world_size`` groups (with DAPO's dynamic
+        sampling: only informative ones, drawing up to ``algo.dynamic_sampling_max_batches``)."""
+        cfg, G = self.cfg, self.cfg.rollout.group_size
+        P, d = cfg.train.prompts_per_step // self.dist.world_size, cfg.data
 
-        Under torchrun each rank fills its own quota of ``prompts_per_step / world_size`` groups
-        and keeps sampling (and discarding) until every rank's quota is full, so the ranks' random
-        streams and batches stay in step."""
-        cfg, G, W = self.cfg, self.cfg.rollout.group_size, self.dist.world_size
-        P = cfg.train.prompts_per_step // W  # this rank's prompts
-        kept: list[tuple[list[str], Rollout, Scores]] = []
-        num_kept, sampling_s, batches = 0, 0.0, 0
-        for batches in range(
-            1, (cfg.algo.dynamic_sampling_max_batches if cfg.algo.dynamic_sampling else 1) + 1
-        ):
+        def draw(score_it: bool):
             t = time.perf_counter()
             rows, prompts = self._next_prompts(cfg.train.prompts_per_step)
             rollout = self._sample(prompts, P)
-            sampling_s += time.perf_counter() - t
-            if num_kept < P:  # else this rank is full and only keeps in step with another still drawing
-                prompts_B = [p for p in prompts for _ in range(G)]
-                columns = reward_columns(rows, G, cfg.data.prompt_column, cfg.data.answer_column)
-                scores = score(
-                    self.rewards,
-                    prompts_B,
-                    rollout.completions,
-                    columns,
-                    rollout.completion_token_lists(),
-                    messages=conversational_prompts(rows, G, cfg.data.prompt_column),
-                    state=self._progress(),
-                )
-                if not cfg.algo.dynamic_sampling:
-                    return prompts_B, rollout, scores, {"batches": 1, "time_sampling_s": sampling_s}
-                num_kept += self._keep_informative(kept, prompts_B, rollout, scores, P - num_kept, batches)
-            if self.dist.max(float(num_kept < P)) == 0:  # every rank's quota is full
-                break
-        rollout = concat_rollouts([k[1] for k in kept], self.pad_id)
-        return (
-            [p for k in kept for p in k[0]],
-            rollout,
-            concat_scores([k[2] for k in kept]),
-            {"batches": batches, "time_sampling_s": sampling_s},
-        )
+            seconds, prompts_B = time.perf_counter() - t, [p for p in prompts for _ in range(G)]
+            if not score_it:
+                return prompts_B, rollout, None, seconds
+            scores = score(
+                self.rewards,
+                prompts_B,
+                rollout.completions,
+                reward_columns(rows, G, d.prompt_column, d.answer_column),
+                rollout.completion_token_lists(),
+                messages=conversational_prompts(rows, G, d.prompt_column),
+                state=self._progress(),
+            )
+            return prompts_B, rollout, scores, seconds
+
+        a = cfg.algo
+        return collect_groups(
+            draw, P, G, dynamic=a.dynamic_sampling, max_batches=a.dynamic_sampling_max_batches,
+            dist=self.dist, pad_id=self.pad_id,
+        )  # fmt: skip
 
     def _sample(self, prompts: list[str], P: int) -> Rollout:
         """This rank's G completions per prompt, from the built-in sampler or the vLLM engine."""
@@ -435,22 +429,6 @@ class GRPOTrainer:
         n = len(self.train_source) if isinstance(self.train_source, RowsSource) else 0
         epoch = self.rows_consumed / n if n else 0.0
         return TrainerProgress(self.step, epoch, self.cfg.train.max_steps)
-
-    def _keep_informative(
-        self, kept: list, prompts_B: list[str], rollout: Rollout, scores: Scores, room: int, batch: int
-    ) -> int:
-        """DAPO's filter: append to ``kept`` up to ``room`` groups whose accuracy (without a verifier:
-        total reward) is not all-equal; on the last allowed batch with nothing kept yet, keep the
-        whole batch. Returns how many groups were kept."""
-        G, P = self.cfg.rollout.group_size, rollout.num_rows // self.cfg.rollout.group_size
-        signal = scores.total if scores.verifier is None else torch.nan_to_num(scores.verifier)
-        groups = (~zero_std_groups(signal, G)).nonzero().flatten().tolist()[:room]
-        if not groups and not kept and batch == self.cfg.algo.dynamic_sampling_max_batches:
-            groups = list(range(P))  # nothing informative at all: train on the last batch
-        if groups:
-            rows_B = [g * G + j for g in groups for j in range(G)]
-            kept.append(([prompts_B[r] for r in rows_B], rollout.take_groups(groups), scores.take(rows_B)))
-        return len(groups)
 
     def _advantages(self, total_B: torch.Tensor, scores: Scores) -> torch.Tensor:
         """Advantages of this rank's rows, computed from the whole step's rewards (gathered from
@@ -557,29 +535,12 @@ class GRPOTrainer:
             print(text, flush=True)
 
     def _evaluate(self) -> dict:
-        """Greedy held-out evaluation; under torchrun each rank decodes a contiguous share of the
-        prompts and the results are combined (rank 0's share holds the first examples)."""
-        d, rows = self.cfg.data, self.eval_rows[: self.cfg.train.eval_max_prompts]
-        W, r = self.dist.world_size, self.dist.rank
-        rows = rows[r * len(rows) // W : (r + 1) * len(rows) // W]
-        result = {"reward_mean": 0.0, "accuracy": None, "num_prompts": 0, "num_verified": 0, "examples": []}
-        if rows:
-            with (
-                full_parameters(self.model, self.dist),
-                mixed_precision(self.device, self.cfg.model.autocast),
-            ):
-                result = evaluate(
-                    self.model,
-                    self.tokenizer,
-                    rows,
-                    [self._prompt(row) for row in rows],
-                    self.rewards,
-                    max_new_tokens=self.cfg.rollout.max_new_tokens,
-                    stop=tuple(self.cfg.rollout.stop),
-                    prompt_column=d.prompt_column,
-                    answer_column=d.answer_column,
-                )
-        return combine_evaluations(self.dist.all_gather_objects(result)) if self.dist.enabled else result
+        """Greedy held-out evaluation of the first ``train.eval_max_prompts`` rows (evaluate.py)."""
+        rows = self.eval_rows[: self.cfg.train.eval_max_prompts]
+        with full_parameters(self.model, self.dist), mixed_precision(self.device, self.cfg.model.autocast):
+            return evaluate_sharded(
+                self.model, self.tokenizer, rows, self._prompt, self.rewards, self.cfg, self.dist
+            )
 
     def _prepare_run_dir(self) -> None:
         if (self.run_dir / "metrics.jsonl").exists():
@@ -593,23 +554,12 @@ class GRPOTrainer:
             self.cfg.save(self.run_dir / "config.yaml")
 
     def _summary(self, last: dict, before: dict | None, after: dict | None, wall: float) -> dict:
-        s = {
-            "steps": self.step,
-            "wall_time_s": round(wall, 3),
-            "world_size": self.dist.world_size,
-            "num_skipped_steps": self.num_skipped_steps,
-            "num_filtered_prompts": self.num_filtered_prompts,
-            "alerts": [] if self.monitor is None else [vars(a) for a in self.monitor.alerts],
-            "stopped_early": self.stop_reason,
-            "final_step_metrics": last,
-        }
-        if self.cfg.data.task is not None:
-            s["task"] = self.cfg.data.task
-        for tag, ev in (("before", before), ("after", after)):
-            if ev is not None:
-                s[f"reward_{tag}"], s[f"accuracy_{tag}"] = ev["reward_mean"], ev["accuracy"]
-                s[f"eval_examples_{tag}"] = ev["examples"]
-        return s
+        alerts = [] if self.monitor is None else [vars(a) for a in self.monitor.alerts]
+        counts = dict(
+            num_skipped_steps=self.num_skipped_steps, num_filtered_prompts=self.num_filtered_prompts
+        )
+        return run_summary(self.step, wall, self.dist.world_size, counts, alerts, self.stop_reason, last,
+                           self.cfg.data.task, before, after)  # fmt: skip
 
 
 def loss_spec(cfg: GRPOConfig) -> LossSpec:
