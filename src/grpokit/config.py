@@ -156,6 +156,12 @@ class AlgoConfig:
     )
     mask_truncated_completions: bool = _f(False, "Truncated completions get no loss (overlong filtering).")
     entropy_top_q: float | None = _f(None, "Train only on the top-q fraction of tokens by entropy, e.g. 0.2.")
+    rollout_correction: str | None = _f(
+        None,
+        "Importance weights for the sampler/trainer log-prob mismatch (docs/algorithms.md): "
+        "token_truncated (TIS) | sequence_masked (Seq-MIS) | null (none).",
+    )
+    rollout_correction_cap: float = _f(2.0, "The cap C of rollout_correction (> 0).")
     ref_sync_every: int = _f(0, "Move the reference toward the policy every N steps (0: frozen reference).")
     ref_sync_mix: float = _f(
         1.0, "ref <- mix * policy + (1 - mix) * ref at each sync; 1.0 copies the policy."
@@ -480,6 +486,16 @@ def validate(cfg: GRPOConfig) -> None:
         )
     if a.entropy_top_q is not None:
         _check("algo.entropy_top_q", 0 < a.entropy_top_q <= 1, a.entropy_top_q, "in (0, 1] or null")
+    if a.rollout_correction is not None:
+        from grpokit.algo.correction import CORRECTIONS
+
+        _check_choice("algo.rollout_correction", a.rollout_correction, (*CORRECTIONS, None))
+        if r.engine == "vllm":
+            raise ConfigError(
+                "algo.rollout_correction needs the sampler's per-token log-probs, which the vLLM engine "
+                "does not report yet; use rollout.engine: builtin or set algo.rollout_correction: null"
+            )
+    _check("algo.rollout_correction_cap", a.rollout_correction_cap > 0, a.rollout_correction_cap, "> 0")
     _check("algo.ref_sync_every", a.ref_sync_every >= 0, a.ref_sync_every, ">= 0 (0: frozen reference)")
     _check("algo.ref_sync_mix", 0 < a.ref_sync_mix <= 1, a.ref_sync_mix, "in (0, 1]")
     if a.ref_sync_every and a.beta == 0:

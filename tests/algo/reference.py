@@ -90,9 +90,11 @@ def policy_loss(
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
     pg_mask: list[list[int]] | None = None,
+    is_weights: list[list[float]] | None = None,
 ) -> float:
     """DeepSeekMath eq. 3 (negated), with GSPO's sequence ratio, DAPO / Dr. GRPO aggregations,
-    and the CISPO / SAPO / two-sided-clip surrogates, term by term."""
+    and the CISPO / SAPO / two-sided-clip surrogates, term by term; ``is_weights`` scale each
+    token's policy-gradient term (not the KL term)."""
     per_token: list[list[float]] = []  # the loss term of each valid token, sequence by sequence
     for i in range(len(logp)):
         valid = [t for t in range(len(logp[i])) if mask[i][t]]
@@ -111,6 +113,8 @@ def policy_loss(
             else:  # sapo
                 tau = tau_pos if a > 0 else tau_neg
                 term = -(4 / tau) / (1 + math.exp(-tau * (r - 1))) * a
+            if is_weights is not None:
+                term *= is_weights[i][t]
             if pg_mask is not None and not pg_mask[i][t]:
                 term = 0.0
             if beta > 0:
@@ -131,3 +135,31 @@ def log_softmax_at(logits: list[float], token: int, temperature: float = 1.0) ->
     z = [x / temperature for x in logits]
     m = max(z)
     return z[token] - (m + math.log(sum(math.exp(x - m) for x in z)))
+
+
+def mismatch(old_logp, sampler_logp, mask, lo=0.9, hi=1.1) -> tuple[float, int, int]:
+    """(sum |old - sampler|, tokens with exp(old - sampler) outside [lo, hi], tokens), valid tokens."""
+    total, outside, n = 0.0, 0, 0
+    for i in range(len(mask)):
+        for t in range(len(mask[i])):
+            if mask[i][t]:
+                d = old_logp[i][t] - sampler_logp[i][t]
+                total += abs(d)
+                outside += not (lo <= math.exp(d) <= hi)
+                n += 1
+    return total, outside, n
+
+
+def correction_weights(old_logp, sampler_logp, mask, mode: str, cap: float) -> list[list[float]]:
+    """TIS: w_t = min(pi_old / pi_sampler, C). Seq-MIS: rho = prod_t pi_old / pi_sampler over the
+    sequence's valid tokens; w_t = rho if rho <= C else 0. Padding: 0."""
+    out = []
+    for i in range(len(mask)):
+        valid = [t for t in range(len(mask[i])) if mask[i][t]]
+        if mode == "token_truncated":
+            w = {t: min(math.exp(old_logp[i][t] - sampler_logp[i][t]), cap) for t in valid}
+        else:
+            rho = math.exp(sum(old_logp[i][t] - sampler_logp[i][t] for t in valid))
+            w = dict.fromkeys(valid, rho if rho <= cap else 0.0)
+        out.append([w.get(t, 0.0) for t in range(len(mask[i]))])
+    return out

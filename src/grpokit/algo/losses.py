@@ -301,6 +301,7 @@ def policy_loss(
     sapo_tau_neg: float = 1.05,
     num_micro_batches: int = 1,
     pg_mask: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""GRPO-family policy loss (to minimise), DeepSeekMath eq. 3 and its variants:
 
@@ -338,6 +339,9 @@ def policy_loss(
         num_micro_batches: M of the ``bnpo`` aggregation (ignored by the others).
         pg_mask: ``[B, T]`` subset of ``mask`` whose tokens get the policy-gradient term (e.g. the
             high-entropy tokens); the denominators still count every token of ``mask``. None: all.
+        is_weights: ``[B, T]`` constant weights multiplying each token's surrogate before aggregation:
+            a rollout-training mismatch correction (:func:`grpokit.algo.correction.correction_weights`,
+            truncated or masked IS). None: 1.
 
     Returns:
         ``(loss, metrics)``: the scalar loss, and detached 0-d tensors over this batch's valid
@@ -351,6 +355,8 @@ def policy_loss(
     mask_BT = _check_loss_inputs(logp, old_logp, advantages, mask, ref_logp, beta)
     if pg_mask is not None and pg_mask.shape != mask.shape:
         raise ValueError(f"pg_mask has shape {tuple(pg_mask.shape)} but mask has {tuple(mask.shape)}")
+    if is_weights is not None and is_weights.shape != mask.shape:
+        raise ValueError(f"is_weights has shape {tuple(is_weights.shape)} but mask has {tuple(mask.shape)}")
     clip_high = clip_low if clip_high is None else clip_high
 
     batch_tokens = int(mask_BT.sum())
@@ -377,6 +383,8 @@ def policy_loss(
     surrogate_BT = SURROGATES[surrogate](
         ratio_BT, logp, adv_B1, **{k: options[k] for k in SURROGATE_OPTIONS[surrogate]}
     )
+    if is_weights is not None:
+        surrogate_BT = surrogate_BT * torch.where(mask_BT, is_weights.detach().to(logp.dtype), zeros_BT)
     if pg_mask is not None:
         surrogate_BT = torch.where(pg_mask.bool(), surrogate_BT, torch.zeros_like(surrogate_BT))
     pg_loss = aggregate(surrogate_BT, mask_BT, **counts)

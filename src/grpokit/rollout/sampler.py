@@ -13,6 +13,11 @@ block. A row's completion therefore depends only on its own uniforms, not on whi
 share its batch: under data parallelism (``row_offset``) each rank samples exactly the completions
 a single process would have sampled for the same rows, and every rank's generator stays in step.
 
+It records each sampled token's log-prob under the distribution it was actually drawn from
+(``Rollout.sampler_logp``; top-k / top-p renormalised) and the policy version (the trainer's step):
+the trainer compares them with its own recomputation every step (``logprob_mismatch``) and, with
+top-k / top-p, uses them as pi_old.
+
 What it deliberately does not do: compute training log-probs (the trainer recomputes them with
 gradients), beam search, or speculative decoding. ``vllm_engine`` is the fast path on GPUs.
 
@@ -51,6 +56,12 @@ class Rollout:
     truncated: torch.Tensor  # [B] bool: hit max_new_tokens without EOS or a stop string
     completions: list[str]  # [B] decoded text (special tokens skipped)
     group_size: int
+    # [B, T] float32: each sampled token's log-prob under the distribution it was drawn from
+    # (temperature applied, renormalised over the tokens top-k / top-p kept; greedy: the plain
+    # softmax), 0 at padding; None when the engine does not report it
+    sampler_logp: torch.Tensor | None = None
+    # [B] the trainer's step count when each row was sampled (every token of a row comes from it)
+    policy_version: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -76,6 +87,8 @@ class Rollout:
             self.truncated[rows],
             [self.completions[r] for r in rows],
             G,
+            None if self.sampler_logp is None else self.sampler_logp[rows],
+            None if self.policy_version is None else self.policy_version[rows],
         )
 
 
@@ -98,6 +111,12 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         torch.cat([r.truncated for r in parts]),
         [c for r in parts for c in r.completions],
         parts[0].group_size,
+        None
+        if any(r.sampler_logp is None for r in parts)
+        else torch.cat([right(r.sampler_logp, 0.0) for r in parts]),
+        None
+        if any(r.policy_version is None for r in parts)
+        else torch.cat([r.policy_version for r in parts]),
     )
 
 
@@ -134,6 +153,7 @@ def sample(
     *,
     row_offset: int = 0,
     num_rows_total: int | None = None,
+    policy_version: int = 0,
 ) -> Rollout:
     """Sample ``group_size`` completions for each prompt.
 
@@ -147,6 +167,7 @@ def sample(
         row_offset, num_rows_total: these B rows are rows ``[row_offset, row_offset + B)`` of a
             global batch of ``num_rows_total`` rows (data parallelism: every rank passes the same
             generator state and its own offset). Default: this call is the whole batch.
+        policy_version: recorded per row (``Rollout.policy_version``): the trainer passes its step.
 
     Returns:
         A :class:`Rollout` with B = P * G rows, group after group.
@@ -178,13 +199,15 @@ def sample(
     attn_bL = mask_PL.long().repeat_interleave(group_size, dim=0)
 
     out_BT = torch.full((B, params.max_new_tokens), pad, dtype=torch.long)
+    logp_BT = torch.zeros((B, params.max_new_tokens), dtype=torch.float32)
     mask_BT = torch.zeros((B, params.max_new_tokens), dtype=torch.bool)
     finished_B = torch.zeros(B, dtype=torch.bool)
     active = torch.arange(B)  # rows still decoding, as indices into the B rows
 
     for t in range(params.max_new_tokens):
-        next_b = _sample_next(logits_bV, params, u_TB[t, active.to(device)]).cpu()
-        out_BT[active, t] = next_b
+        next_b, logp_b = _sample_next(logits_bV, params, u_TB[t, active.to(device)])
+        next_b = next_b.cpu()
+        out_BT[active, t], logp_BT[active, t] = next_b, logp_b.float().cpu()
         mask_BT[active, t] = True
         done_b = next_b == eos if eos is not None else torch.zeros_like(next_b, dtype=torch.bool)
         if params.stop:
@@ -202,23 +225,30 @@ def sample(
         logits_bV, cache = _step(model, next_b[:, None].to(device), attn_bL, pos_b1, cache)
 
     T = int(mask_BT.sum(dim=1).max())
-    out_BT, mask_BT = out_BT[:, :T], mask_BT[:, :T]
+    out_BT, mask_BT, logp_BT = out_BT[:, :T], mask_BT[:, :T], logp_BT[:, :T]
     texts = [
         tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
         for row, m in zip(out_BT, mask_BT, strict=True)
     ]
-    return Rollout(prompt_ids, prompt_mask, out_BT, mask_BT, ~finished_B, texts, group_size)
+    version_B = torch.full((B,), policy_version, dtype=torch.long)
+    return Rollout(
+        prompt_ids, prompt_mask, out_BT, mask_BT, ~finished_B, texts, group_size, logp_BT, version_B
+    )
 
 
-def _sample_next(logits_bV: torch.Tensor, params: SamplingParams, u_b: torch.Tensor) -> torch.Tensor:
-    """One token per row from softmax(logits / temperature), after top-k and top-p filtering.
+def _sample_next(
+    logits_bV: torch.Tensor, params: SamplingParams, u_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(logits / temperature), after top-k and top-p filtering, and its
+    log-prob under that (renormalised) distribution.
 
     Inverse-CDF sampling: the token is the first index whose cumulative probability exceeds
     ``u * total`` (``u`` uniform in [0, 1)); a zero-probability token never is, because the
     cumulative sum does not rise there.
     """
     if params.temperature == 0:
-        return logits_bV.argmax(dim=-1)
+        index_b = logits_bV.argmax(dim=-1)
+        return index_b, torch.log_softmax(logits_bV.float(), dim=-1).gather(-1, index_b[:, None]).squeeze(-1)
     z_bV = logits_bV.float() / params.temperature
     if 0 < params.top_k < z_bV.shape[-1]:
         kth_b1 = torch.topk(z_bV, params.top_k, dim=-1).values[:, -1:]
@@ -231,8 +261,8 @@ def _sample_next(logits_bV: torch.Tensor, params: SamplingParams, u_b: torch.Ten
         z_bV = z_bV.scatter(-1, order_bV, sorted_bV.masked_fill(drop_bV, float("-inf")))
     cdf_bV = torch.softmax(z_bV, dim=-1).double().cumsum(dim=-1)
     target_b1 = (u_b.double() * cdf_bV[:, -1])[:, None]
-    index_b = torch.searchsorted(cdf_bV, target_b1, right=True).squeeze(-1)
-    return index_b.clamp(max=cdf_bV.shape[-1] - 1)
+    index_b = torch.searchsorted(cdf_bV, target_b1, right=True).squeeze(-1).clamp(max=cdf_bV.shape[-1] - 1)
+    return index_b, torch.log_softmax(z_bV, dim=-1).gather(-1, index_b[:, None]).squeeze(-1)
 
 
 def _hits_stop(tokenizer, ids_bt: torch.Tensor, stop: tuple[str, ...]) -> torch.Tensor:

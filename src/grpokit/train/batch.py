@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from grpokit.algo import LossSpec, policy_loss, token_entropy, token_logprobs
+from grpokit.algo.correction import mismatch_stats
 from grpokit.models.loading import accepts_kwarg
 from grpokit.rollout.sampler import Rollout
 from grpokit.train.distributed import Dist, grad_sync
@@ -52,6 +53,10 @@ class UpdateStats:
     ratio_max: float = _NAN
     entropy: float = _NAN
     grad_norm: float = 0.0
+    # sampler vs trainer log-probs (``mismatch_logp``): sums over the compared tokens
+    mismatch_abs_sum: float = 0.0
+    mismatch_outside: float = 0.0
+    mismatch_tokens: int = 0
 
     @staticmethod
     def combine(steps: list[UpdateStats]) -> UpdateStats:
@@ -71,6 +76,9 @@ class UpdateStats:
             num_tokens=tokens,
             ratio_max=ratio_max,
             grad_norm=sum(s.grad_norm for s in steps) / len(steps),
+            mismatch_abs_sum=sum(s.mismatch_abs_sum for s in steps),
+            mismatch_outside=sum(s.mismatch_outside for s in steps),
+            mismatch_tokens=sum(s.mismatch_tokens for s in steps),
             **weighted,
         )
 
@@ -230,6 +238,8 @@ def accumulate_policy_gradient(
     old_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     entropy_top_q: float | None = None,
+    is_weights: torch.Tensor | None = None,
+    mismatch_logp: torch.Tensor | None = None,
     dump_path: Path | None = None,
     dist: Dist | None = None,
 ) -> UpdateStats:
@@ -246,6 +256,11 @@ def accumulate_policy_gradient(
         entropy_top_q: train only on this top fraction of each micro-batch's tokens by entropy
             ("Beyond the 80/20 rule", Wang et al. 2025, arXiv:2506.01939); the denominators still
             count every token. None: all tokens.
+        is_weights: ``[B, T]`` rollout-correction weights multiplying each token's policy-gradient
+            term (``algo.correction_weights``), or None.
+        mismatch_logp: ``[B, T]`` the sampler's log-probs, compared with this pass's own (which are
+            pi_old when the plan is the generation's only optimizer step): the sums go into the
+            returned ``mismatch_*`` fields. None: not measured here.
         dump_path: write the first micro-batch's inputs and loss here (``train.dump_tensors``).
         dist: under torchrun, ``model`` is the DDP / FSDP module: counts and metrics are summed over
             ranks, gradients are synchronised once (in the last micro-batch's backward), and the
@@ -267,32 +282,38 @@ def accumulate_policy_gradient(
     plan = d.pad_plan(plan)
     sums = dict.fromkeys(_TOKEN_METRICS, 0.0)
     loss_total, ratio_max, tokens = 0.0, float("-inf"), 0
+    mismatch = [0.0, 0.0, 0.0]  # |diff| sum, tokens outside [0.9, 1.1], tokens
     for k, rows in enumerate(plan):
         with grad_sync(model, enabled=k == len(plan) - 1):
             stats = _micro_batch_backward(
                 model, batch, rows, pad_id, temperature, loss, counts, old_logp, ref_logp,
-                entropy_top_q, dump_path if k == 0 else None, d.world_size,
+                entropy_top_q, is_weights, mismatch_logp, dump_path if k == 0 else None, d.world_size,
             )  # fmt: skip
         if stats is None:
             continue
+        mismatch = [a + b for a, b in zip(mismatch, stats.pop("mismatch"), strict=True)]
         loss_total += stats.pop("loss")
         n = int(stats.pop("num_tokens"))
         tokens += n
         ratio_max = max(ratio_max, stats.pop("ratio_max"))
         for key in _TOKEN_METRICS:
             sums[key] += stats[key] * n
-    loss_total, tokens, *values = d.sum([loss_total, float(tokens), *(sums[key] for key in _TOKEN_METRICS)])
+    loss_total, tokens, *values = d.sum(
+        [loss_total, float(tokens), *mismatch, *(sums[key] for key in _TOKEN_METRICS)]
+    )
+    mismatch, values = values[:3], values[3:]
     ratio_max, tokens = d.max(ratio_max), int(tokens)
+    seen = dict(mismatch_abs_sum=mismatch[0], mismatch_outside=mismatch[1], mismatch_tokens=int(mismatch[2]))
     if not tokens:
-        return UpdateStats(loss=loss_total, num_tokens=0)
+        return UpdateStats(loss=loss_total, num_tokens=0, **seen)
     means = {key: v / tokens for key, v in zip(_TOKEN_METRICS, values, strict=True)}
-    return UpdateStats(loss=loss_total, num_tokens=tokens, ratio_max=ratio_max, **means)
+    return UpdateStats(loss=loss_total, num_tokens=tokens, ratio_max=ratio_max, **means, **seen)
 
 
 def _micro_batch_backward(
     model, batch, rows, pad_id, temperature, spec, counts, old_logp, ref_logp, entropy_top_q,
-    dump_path, world_size,
-) -> dict[str, float] | None:  # fmt: skip
+    is_weights, mismatch_logp, dump_path, world_size,
+) -> dict | None:  # fmt: skip
     """Forward + backward of one micro-batch; its metrics, or None when it has no tokens. An empty
     ``rows`` runs a stand-in row with its loss multiplied by 0 (the ranks' passes stay in step)."""
     device = next(model.parameters()).device
@@ -308,9 +329,11 @@ def _micro_batch_backward(
     if entropy_top_q is not None and bool(mb.completion_mask.any()):
         threshold = torch.quantile(entropy[mb.completion_mask].float(), 1.0 - entropy_top_q)
         pg_mask = mb.completion_mask & (entropy >= threshold)
+    weights = None if is_weights is None else is_weights[rows, :T].to(device)
     loss, m = policy_loss(
-        logp, old, adv, mb.completion_mask, ref_logp=ref, pg_mask=pg_mask, **spec.kwargs(), **counts
-    )
+        logp, old, adv, mb.completion_mask, ref_logp=ref, pg_mask=pg_mask, is_weights=weights,
+        **spec.kwargs(), **counts,
+    )  # fmt: skip
     if dump_path is not None and not dummy:
         torch.save(
             {
@@ -320,6 +343,7 @@ def _micro_batch_backward(
                 "mask": mb.completion_mask.cpu(),
                 "ref_logp": None if ref is None else ref.cpu(),
                 "pg_mask": None if pg_mask is None else pg_mask.cpu(),
+                "is_weights": None if weights is None else weights.cpu(),
                 "loss": loss.detach().cpu(),
                 "loss_spec": spec.kwargs(),
                 "counts": counts,
@@ -334,7 +358,14 @@ def _micro_batch_backward(
     if dummy or n == 0:
         return None
     m["entropy"] = entropy[mb.completion_mask].float().mean()
+    mismatch = (0.0, 0.0, 0.0)
+    if mismatch_logp is not None:
+        abs_sum, outside, compared = mismatch_stats(
+            logp.detach(), mismatch_logp[rows, :T].to(device), mb.completion_mask
+        )
+        mismatch = (float(abs_sum), float(outside), float(compared))
     return {
+        "mismatch": mismatch,
         "loss": float(loss.detach()),
         "num_tokens": n,
         "ratio_max": float(m["ratio_max"]),

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from grpokit.algo import LossSpec, decoupled_advantages, group_advantages, kl_shaped_rewards
+from grpokit.algo.correction import correction_weights, mismatch_stats
 from grpokit.config import GRPOConfig
 from grpokit.data.datasets import RowsSource, build_prompt, build_sources, filter_long_prompts
 from grpokit.diagnostics.hacking import HackingMonitor
@@ -291,13 +292,52 @@ class GRPOTrainer:
         total_B = self._shaped_rewards(scores.total, batch, old_logp, ref_logp)  # KL in the reward (rloo)
         batch.advantages = self._advantages(total_B, scores)
         self._dump_advantages(total_B, batch.advantages, rollout.group_size)
+        behaviour, is_weights = self._off_policy(rollout, batch, old_logp)  # top-k/p pi_old, IS weights
         t2 = time.perf_counter()
-        stats, lr, skipped = self._update(batch, plans, old_logp, ref_logp)  # mu x steps_per_generation
+        # the sampler's log-probs are compared with pi_old: here when it was recomputed, else in the update
+        in_update = old_logp is None and rollout.sampler_logp is not None
+        stats, lr, skipped = self._update(
+            batch, plans, behaviour, ref_logp, is_weights, rollout.sampler_logp if in_update else None
+        )  # mu x steps_per_generation optimizer steps
         self._engine_stale = True
         self._maybe_sync_reference()
         times = (t0, t0 + gen["time_sampling_s"], t1, t2, time.perf_counter())
         extra = dict(lr=lr, optimizer_step_skipped=int(skipped), generation_batches=gen["batches"])
+        extra.update(self._mismatch(rollout, batch, old_logp, stats, is_weights))
         return self._step_record(prompts_B, rollout, scores, batch.advantages, stats, times, extra)
+
+    def _off_policy(self, rollout: Rollout, batch: TrainBatch, old_logp):
+        """The ratio's pi_old and the rollout-correction weights. With top-k / top-p the tokens came
+        from the truncated, renormalised distribution, so the sampler's own log-probs are pi_old;
+        ``algo.rollout_correction`` weights each token by the trainer's pi_old over the sampler's."""
+        a, r, sampler = self.cfg.algo, self.cfg.rollout, rollout.sampler_logp
+        truncated = r.top_k > 0 or r.top_p < 1.0
+        behaviour = sampler if truncated and sampler is not None else old_logp
+        weights = None
+        if a.rollout_correction is not None:
+            weights = correction_weights(
+                old_logp, sampler, batch.completion_mask, a.rollout_correction, a.rollout_correction_cap
+            )
+        return behaviour, weights
+
+    def _mismatch(self, rollout: Rollout, batch: TrainBatch, old_logp, stats: UpdateStats, weights) -> dict:
+        """``logprob_mismatch`` (mean |log pi_old - log pi_sampler|) and ``logprob_ratio_outside``
+        (share of tokens with pi_old / pi_sampler outside [0.9, 1.1]) over the whole step's tokens;
+        NaN without sampler log-probs (vLLM) or on a skipped step that recomputed nothing."""
+        if old_logp is not None and rollout.sampler_logp is not None:
+            abs_sum, outside, n = mismatch_stats(old_logp, rollout.sampler_logp, batch.completion_mask)
+            abs_sum, outside, n = self.dist.sum([float(abs_sum), float(outside), float(n)])
+        else:
+            abs_sum, outside, n = stats.mismatch_abs_sum, stats.mismatch_outside, stats.mismatch_tokens
+        out = {
+            "logprob_mismatch": abs_sum / n if n else float("nan"),
+            "logprob_ratio_outside": outside / n if n else float("nan"),
+        }
+        if weights is not None:
+            mask = batch.completion_mask
+            w, m = self.dist.sum([float(weights[mask].sum()), float(mask.sum())])
+            out["is_weight_mean"] = w / m if m else float("nan")
+        return out
 
     def _batch(self, rollout: Rollout) -> tuple[TrainBatch, list[list[list[int]]]]:
         loss_mask = None
@@ -322,8 +362,9 @@ class GRPOTrainer:
         elif self.adapter_ref:
             with self.model.disable_adapter():
                 ref_logp = batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist)
-        t = cfg.train
-        needs_old = t.mu > 1 or t.steps_per_generation > 1 or cfg.algo.kl_placement == "reward"
+        t, a = cfg.train, cfg.algo
+        needs_old = t.mu > 1 or t.steps_per_generation > 1 or a.kl_placement == "reward"
+        needs_old = needs_old or a.rollout_correction is not None
         old_logp = batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist) if needs_old else None
         return old_logp, ref_logp
 
@@ -417,6 +458,7 @@ class GRPOTrainer:
                     self.generator,
                     row_offset=r * P * G,
                     num_rows_total=W * P * G,
+                    policy_version=self.step - 1,
                 )
         if self._engine_stale:  # push the weights of the last update to vLLM
             self.engine.load_weights(gathered_state_dict(self.model, self.dist).items())
@@ -454,7 +496,7 @@ class GRPOTrainer:
         return adv_B[local]
 
     def _update(
-        self, batch: TrainBatch, plans: list, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None
+        self, batch: TrainBatch, plans: list, old_logp, ref_logp, is_weights, mismatch_logp
     ) -> tuple[UpdateStats, float, bool]:
         """``mu`` inner epochs x ``steps_per_generation`` optimizer steps on one batch; returns the
         combined statistics, the last learning rate, and whether the update was skipped."""
@@ -490,6 +532,8 @@ class GRPOTrainer:
                     old_logp=old_logp,
                     ref_logp=ref_logp,
                     entropy_top_q=cfg.algo.entropy_top_q,
+                    is_weights=is_weights,
+                    mismatch_logp=mismatch_logp if epoch == 0 else None,
                     dump_path=dump if epoch == 0 and k == 0 else None,
                     dist=self.dist,
                 )

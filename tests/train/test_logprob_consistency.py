@@ -1,0 +1,193 @@
+"""The sampler's per-token log-probs equal the trainer's recomputation (float32, any micro-batch
+split), top-k / top-p log-probs are the renormalised ones and serve as pi_old, and the trainer's
+always-on mismatch metrics and rollout corrections see exactly what the sampler recorded."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from grpokit.config import load_config
+from grpokit.rollout.sampler import SamplingParams, sample
+from grpokit.train.batch import TrainBatch, batch_logprobs, plan_micro_batches
+from grpokit.train.trainer import GRPOTrainer
+from tests.algo import reference as ref
+from tests.helpers import varied
+
+PROMPTS = ["12+34=", "7+8=", "100+1=", "5="]
+
+
+def rollout_of(model, tok, params, seed=0):
+    return sample(model, tok, PROMPTS, 4, params, torch.Generator().manual_seed(seed), policy_version=3)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(("max_rows", "max_tokens"), [(1, None), (3, None), (16, None), (5, 40)])
+def test_sampler_logprobs_equal_the_trainers_recomputation(peaky, temperature, max_rows, max_tokens):
+    model, tok = peaky
+    rollout = rollout_of(model, tok, SamplingParams(max_new_tokens=8, temperature=temperature))
+    batch = TrainBatch.from_rollout(rollout, torch.zeros(rollout.num_rows))
+    plan = plan_micro_batches(batch.total_lengths(), max_rows, max_tokens)
+    recomputed = batch_logprobs(model, batch, plan, 0, temperature)
+    m = rollout.completion_mask
+    assert recomputed.dtype == torch.float32 and rollout.sampler_logp.dtype == torch.float32
+    assert (recomputed[m] - rollout.sampler_logp[m]).abs().max() < 1e-5
+    assert bool((rollout.sampler_logp[~m] == 0).all()) and rollout.policy_version.tolist() == [3] * 16
+
+
+def renormalised_logprob(
+    logits: list[float], token: int, temperature: float, top_k: int, top_p: float
+) -> float:
+    """Plain-Python reference: softmax(logits / T), keep the top_k largest, then the smallest prefix
+    (by probability) whose mass reaches top_p, renormalise, and read the token's log-prob."""
+    z = [x / temperature for x in logits]
+    order = sorted(range(len(z)), key=lambda i: -z[i])
+    if top_k:
+        order = order[:top_k]
+    mx = max(z[i] for i in order)
+    p = {i: math.exp(z[i] - mx) for i in order}
+    total = sum(p.values())
+    kept, mass = [], 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += p[i] / total
+    assert token in kept, "the sampler drew a token the filter removes"
+    return math.log(p[token] / sum(p[i] for i in kept))
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.6), (8, 0.8)])
+def test_top_k_top_p_logprobs_are_the_renormalised_ones(peaky, top_k, top_p):
+    model, tok = peaky
+    params = SamplingParams(max_new_tokens=6, temperature=0.9, top_k=top_k, top_p=top_p)
+    rollout = rollout_of(model, tok, params, seed=1)
+    prompt_ids = rollout.prompt_ids.repeat_interleave(4, dim=0)
+    prompt_mask = rollout.prompt_mask.repeat_interleave(4, dim=0)
+    checked = 0
+    for b in range(rollout.num_rows):
+        ids = torch.cat(
+            [prompt_ids[b][prompt_mask[b]], rollout.completion_ids[b][rollout.completion_mask[b]]]
+        )
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0].double()
+        L = int(prompt_mask[b].sum())
+        for t in range(int(rollout.completion_mask[b].sum())):
+            want = renormalised_logprob(logits[L - 1 + t].tolist(), int(ids[L + t]), 0.9, top_k, top_p)
+            assert abs(float(rollout.sampler_logp[b, t]) - want) < 1e-5
+            checked += 1
+    assert checked > 40
+
+
+def config(tmp_path, tiny_dir, name, **sets):
+    base = {
+        "model.name_or_path": str(tiny_dir),
+        "train.output_dir": str(tmp_path / name),
+        "train.quiet": True,
+        "train.max_steps": 2,
+        "train.prompts_per_step": 4,
+        "rollout.group_size": 4,
+        "rollout.max_new_tokens": 6,
+        "train.eval_max_prompts": 4,
+        "rollout.temperature": 1.2,
+        "train.dump_tensors": True,
+        "algo.beta": 0.0,
+    }
+    base.update(sets)
+    return load_config(None, [f"{k}={json.dumps(v)}" for k, v in base.items()])
+
+
+def metrics(tmp_path, name):
+    return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("sets", [{}, {"train.mu": 2}, {"train.steps_per_generation": 2}])
+def test_float32_runs_show_no_mismatch(tmp_path, tiny_dir, sets):
+    GRPOTrainer(config(tmp_path, tiny_dir, "run", **sets), rewards=[varied]).train()
+    for row in metrics(tmp_path, "run"):
+        if not row["optimizer_step_skipped"] or sets:  # a skipped mu=1 step recomputes nothing
+            assert row["logprob_mismatch"] < 1e-5 and row["logprob_ratio_outside"] == 0.0
+
+
+def perturbed_sampler(monkeypatch, shift: float, every: int = 3):
+    """The sampler's recorded log-probs off by ``shift`` on every ``every``-th token (another
+    engine's precision); returns the rollouts it produced."""
+    import grpokit.train.trainer as trainer_module
+
+    produced = []
+
+    def fake(*args, **kwargs):
+        rollout = sample(*args, **kwargs)
+        bump = torch.zeros_like(rollout.sampler_logp)
+        bump.view(-1)[::every] = shift
+        rollout.sampler_logp = torch.where(rollout.completion_mask, rollout.sampler_logp + bump, 0.0)
+        produced.append(rollout)
+        return rollout
+
+    monkeypatch.setattr(trainer_module, "sample", fake)
+    return produced
+
+
+def test_the_metric_sees_a_perturbed_sampler(tmp_path, tiny_dir, monkeypatch):
+    produced = perturbed_sampler(monkeypatch, 0.2)
+    GRPOTrainer(config(tmp_path, tiny_dir, "run", **{"train.mu": 2}), rewards=[varied]).train()
+    for rollout, row in zip(produced, metrics(tmp_path, "run"), strict=True):
+        m = rollout.completion_mask
+        bumped = (torch.arange(m.numel()) % 3 == 0).view(m.shape)
+        share = float(bumped[m].double().mean())
+        assert 0 < share < 1
+        # |old - (sampler + 0.2)| = 0.2 on the bumped tokens (exp(-0.2) = 0.82 is outside [0.9, 1.1])
+        assert row["logprob_mismatch"] == pytest.approx(0.2 * share, abs=1e-5)
+        assert row["logprob_ratio_outside"] == pytest.approx(share, abs=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["token_truncated", "sequence_masked"])
+def test_rollout_correction_weights_reach_the_loss(tmp_path, tiny_dir, monkeypatch, mode):
+    produced = perturbed_sampler(monkeypatch, -0.5, every=4)  # sampler lower: rho = e^0.5 = 1.65 there
+    cfg = config(
+        tmp_path, tiny_dir, "run", **{"algo.rollout_correction": mode, "algo.rollout_correction_cap": 1.5}
+    )
+    GRPOTrainer(cfg, rewards=[varied]).train()
+    dump = torch.load(tmp_path / "run" / "tensors" / "step-000001.pt", weights_only=False)
+    rows, rollout = dump["rows"], produced[0]
+    mask = dump["mask"]
+    T = mask.shape[1]
+    want = ref.correction_weights(
+        dump["old_logp"].double().tolist(),
+        rollout.sampler_logp[rows, :T].double().tolist(),
+        mask.int().tolist(),
+        mode,
+        1.5,
+    )
+    assert torch.allclose(dump["is_weights"].double(), torch.tensor(want, dtype=torch.float64), atol=1e-5)
+    assert "is_weight_mean" in metrics(tmp_path, "run")[0]
+
+
+def test_with_top_k_the_sampler_logprobs_are_pi_old(tmp_path, tiny_dir, monkeypatch):
+    import grpokit.train.trainer as trainer_module
+
+    produced = []
+
+    def recording(*args, **kwargs):
+        produced.append(sample(*args, **kwargs))
+        return produced[-1]
+
+    monkeypatch.setattr(trainer_module, "sample", recording)
+
+    def spread(prompts, completions, **_):  # differs between completions of the same length
+        return [float(sum(map(ord, c)) % 5) for c in completions]
+
+    cfg = config(tmp_path, tiny_dir, "run", **{"rollout.top_k": 3, "train.max_steps": 2})
+    GRPOTrainer(cfg, rewards=[spread]).train()
+    trained = [r for r in metrics(tmp_path, "run") if not r["optimizer_step_skipped"]]
+    assert trained
+    step = trained[0]["step"]
+    dump = torch.load(tmp_path / "run" / "tensors" / f"step-{step:06d}.pt", weights_only=False)
+    T = dump["mask"].shape[1]
+    assert torch.equal(dump["old_logp"], produced[step - 1].sampler_logp[dump["rows"], :T])
+    # the renormalised pi_old is above the full softmax's: on-policy ratios sit below 1, and the
+    # mismatch metric (the full recomputation vs the sampler) shows the truncation
+    assert trained[0]["ratio_mean"] < 1.0 and trained[0]["logprob_mismatch"] > 1e-3
