@@ -243,3 +243,12 @@ def test_update_stats_combine_weights_by_tokens_and_skips_empty_steps():
     assert c.kl == pytest.approx((0.1 * 30 + 0.5 * 10) / 40) and c.clip_fraction == pytest.approx(0.3)
     assert c.ratio_max == 1.5 and c.entropy == pytest.approx(1.75)
     assert math.isnan(UpdateStats.combine([empty, empty]).kl)
+
+
+def test_the_optimizer_is_torchs_fused_adamw_where_it_exists(tmp_path, tiny_dir):
+    from grpokit.train.optim import adamw_kernel
+
+    trainer = GRPOTrainer(config(tmp_path, tiny_dir))
+    assert isinstance(trainer.optimizer, torch.optim.AdamW) and trainer.optimizer.defaults["fused"] is True
+    assert adamw_kernel([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]) == {"fused": True}
+    assert adamw_kernel([]) == {"foreach": True}
