@@ -57,7 +57,7 @@ MUTANTS = [
     ),
     Mutant(
         "KL in the reward dropped (rloo)",
-        "src/grpokit/train/trainer.py",
+        "src/grpokit/train/update.py",
         "return kl_shaped_rewards(total_B, old_logp, ref_logp, batch.completion_mask, a.beta, a.kl)",
         "return total_B",
         ("tests/train/test_algorithms.py::test_rloo_puts_k1_kl_into_the_reward",),
@@ -71,7 +71,7 @@ MUTANTS = [
     ),
     Mutant(
         "gradient checkpointing never engaged by the trainer",
-        "src/grpokit/train/trainer.py",
+        "src/grpokit/train/update.py",
         "self.train_module.train(cfg.model.gradient_checkpointing)",
         "self.train_module.train(False)",
         ("tests/train/test_lora.py::test_the_trainer_engages_gradient_checkpointing",),
@@ -132,6 +132,27 @@ MUTANTS = [
         "except UserError as e:",
         "except (UserError, ValueError) as e:",
         ("tests/test_cli.py::test_user_errors_are_one_line_and_library_bugs_keep_their_traceback",),
+    ),
+    Mutant(
+        "sampler log-probs not renormalised after top-k / top-p",
+        "src/grpokit/rollout/sampler.py",
+        "return index_b, torch.log_softmax(z_bV, dim=-1)",
+        "return index_b, torch.log_softmax(logits_bV.float() / params.temperature, dim=-1)",
+        ("tests/train/test_logprob_consistency.py::test_top_k_top_p_logprobs_are_the_renormalised_ones",),
+    ),
+    Mutant(
+        "rollout correction weights not applied in the loss",
+        "src/grpokit/algo/losses.py",
+        "surrogate_BT = surrogate_BT * torch.where(mask_BT, is_weights.detach().to(logp.dtype), zeros_BT)",
+        "pass",
+        ("tests/algo/test_correction.py::test_weights_scale_the_policy_gradient_term_in_the_loss",),
+    ),
+    Mutant(
+        "top-k pi_old is the full recomputation",
+        "src/grpokit/train/update.py",
+        "behaviour = sampler if truncated and sampler is not None else old_logp",
+        "behaviour = old_logp",
+        ("tests/train/test_logprob_consistency.py::test_with_top_k_the_sampler_logprobs_are_pi_old",),
     ),
     Mutant(
         "data/ imports rewards/ again (a circle)",

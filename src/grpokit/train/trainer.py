@@ -29,20 +29,18 @@ beyond one process per GPU.
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from pathlib import Path
 
 import torch
 
-from grpokit.algo import LossSpec, decoupled_advantages, group_advantages, kl_shaped_rewards
-from grpokit.algo.correction import correction_weights, mismatch_stats
+from grpokit.algo import decoupled_advantages, group_advantages
 from grpokit.config import GRPOConfig
 from grpokit.data.datasets import RowsSource, build_prompt, build_sources, filter_long_prompts
 from grpokit.diagnostics.hacking import HackingMonitor
 from grpokit.errors import CheckpointError, ConfigError, RunExistsError, TrainingInterrupted
-from grpokit.models.loading import keep_head_float32, load_model, mixed_precision, reference_copy
+from grpokit.models.loading import keep_head_float32, load_model, mixed_precision
 from grpokit.report import write_report
 from grpokit.rewards.registry import (
     Scores,
@@ -58,9 +56,6 @@ from grpokit.rollout.sampler import Rollout, SamplingParams, concat_rollouts, pa
 from grpokit.rollout.vllm_engine import engine_from_config
 from grpokit.train.batch import (
     TrainBatch,
-    UpdateStats,
-    accumulate_policy_gradient,
-    batch_logprobs,
     plan_optimizer_steps,
 )
 from grpokit.train.checkpoint import (
@@ -75,8 +70,6 @@ from grpokit.train.distributed import (
     full_state_dict,
     gathered_state_dict,
     init_distributed,
-    shard,
-    wrap,
 )
 from grpokit.train.evaluate import evaluate_sharded
 from grpokit.train.generate import collect_groups
@@ -89,7 +82,7 @@ from grpokit.train.metrics import (
     step_metrics,
     truncate_logs,
 )
-from grpokit.train.optim import build_optimizer, learning_rate
+from grpokit.train.update import Learner
 
 
 class GRPOTrainer:
@@ -155,22 +148,12 @@ class GRPOTrainer:
             )  # fmt: skip
             if note:
                 self._print(note)
-        # With LoRA the reference is the base model itself, adapters switched off: no second copy.
-        wants_ref = a.beta > 0 or t.track_kl
-        self.adapter_ref = wants_ref and hasattr(model, "disable_adapter")
-        self.ref_model = reference_copy(model) if wants_ref and not self.adapter_ref else None
-        if self.ref_model is not None and self.dist.fsdp:
-            shard(self.ref_model)
-        # train_module runs the update (a DDP wrapper, or the FSDP-sharded model itself); self.model
-        # is the model underneath, for sampling, log-probs without gradients and saving.
-        self.train_module = wrap(model, self.dist)
-        self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], t)
-        self.loss_spec = loss_spec(cfg)
+        self.learner = Learner(cfg, model, self.dist, self.pad_id)
         self.generator = torch.Generator(self.device).manual_seed(t.seed)
         self.engine, self._engine_stale = engine_from_config(cfg, tokenizer), True
         r = cfg.rollout
         self.sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop))
-        self.step, self.rows_consumed, self.num_skipped_steps = 0, 0, 0
+        self.step, self.rows_consumed = 0, 0
         self.monitor = HackingMonitor(cfg.monitor) if cfg.monitor.enabled else None
         self._last_completions: list[str] = []
         self.stop_reason: str | None = None
@@ -288,56 +271,25 @@ class GRPOTrainer:
         prompts_B, rollout, scores, gen = self._generate()  # sample and score (DAPO: keep drawing)
         t1 = time.perf_counter()
         batch, plans = self._batch(rollout)  # the loss mask, micro-batch plans per optimizer step
-        old_logp, ref_logp = self._logprobs(batch, plans)  # pi_old (when it differs from pi_theta), pi_ref
-        total_B = self._shaped_rewards(scores.total, batch, old_logp, ref_logp)  # KL in the reward (rloo)
+        learner = self.learner
+        old_logp, ref_logp = learner.logprobs(batch, plans)  # pi_old (when it differs from pi_theta), pi_ref
+        total_B = learner.shaped_rewards(scores.total, batch, old_logp, ref_logp)  # KL in the reward (rloo)
         batch.advantages = self._advantages(total_B, scores)
         self._dump_advantages(total_B, batch.advantages, rollout.group_size)
-        behaviour, is_weights = self._off_policy(rollout, batch, old_logp)  # top-k/p pi_old, IS weights
+        behaviour, is_weights = learner.off_policy(rollout, batch, old_logp)  # top-k/p pi_old, IS weights
         t2 = time.perf_counter()
         # the sampler's log-probs are compared with pi_old: here when it was recomputed, else in the update
         in_update = old_logp is None and rollout.sampler_logp is not None
-        stats, lr, skipped = self._update(
-            batch, plans, behaviour, ref_logp, is_weights, rollout.sampler_logp if in_update else None
-        )  # mu x steps_per_generation optimizer steps
+        stats, lr, skipped = learner.update(
+            batch, plans, self.step, behaviour, ref_logp, is_weights,
+            rollout.sampler_logp if in_update else None, self._dump_path(),
+        )  # fmt: skip
         self._engine_stale = True
-        self._maybe_sync_reference()
+        learner.sync_reference(self.step)
         times = (t0, t0 + gen["time_sampling_s"], t1, t2, time.perf_counter())
         extra = dict(lr=lr, optimizer_step_skipped=int(skipped), generation_batches=gen["batches"])
-        extra.update(self._mismatch(rollout, batch, old_logp, stats, is_weights))
+        extra.update(learner.mismatch(rollout, batch, old_logp, stats, is_weights))
         return self._step_record(prompts_B, rollout, scores, batch.advantages, stats, times, extra)
-
-    def _off_policy(self, rollout: Rollout, batch: TrainBatch, old_logp):
-        """The ratio's pi_old and the rollout-correction weights. With top-k / top-p the tokens came
-        from the truncated, renormalised distribution, so the sampler's own log-probs are pi_old;
-        ``algo.rollout_correction`` weights each token by the trainer's pi_old over the sampler's."""
-        a, r, sampler = self.cfg.algo, self.cfg.rollout, rollout.sampler_logp
-        truncated = r.top_k > 0 or r.top_p < 1.0
-        behaviour = sampler if truncated and sampler is not None else old_logp
-        weights = None
-        if a.rollout_correction is not None:
-            weights = correction_weights(
-                old_logp, sampler, batch.completion_mask, a.rollout_correction, a.rollout_correction_cap
-            )
-        return behaviour, weights
-
-    def _mismatch(self, rollout: Rollout, batch: TrainBatch, old_logp, stats: UpdateStats, weights) -> dict:
-        """``logprob_mismatch`` (mean |log pi_old - log pi_sampler|) and ``logprob_ratio_outside``
-        (share of tokens with pi_old / pi_sampler outside [0.9, 1.1]) over the whole step's tokens;
-        NaN without sampler log-probs (vLLM) or on a skipped step that recomputed nothing."""
-        if old_logp is not None and rollout.sampler_logp is not None:
-            abs_sum, outside, n = mismatch_stats(old_logp, rollout.sampler_logp, batch.completion_mask)
-            abs_sum, outside, n = self.dist.sum([float(abs_sum), float(outside), float(n)])
-        else:
-            abs_sum, outside, n = stats.mismatch_abs_sum, stats.mismatch_outside, stats.mismatch_tokens
-        out = {
-            "logprob_mismatch": abs_sum / n if n else float("nan"),
-            "logprob_ratio_outside": outside / n if n else float("nan"),
-        }
-        if weights is not None:
-            mask = batch.completion_mask
-            w, m = self.dist.sum([float(weights[mask].sum()), float(mask.sum())])
-            out["is_weight_mean"] = w / m if m else float("nan")
-        return out
 
     def _batch(self, rollout: Rollout) -> tuple[TrainBatch, list[list[list[int]]]]:
         loss_mask = None
@@ -351,29 +303,26 @@ class GRPOTrainer:
         )  # fmt: skip
         return batch, plans
 
-    def _logprobs(self, batch: TrainBatch, plans: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """pi_ref's log-probs (when a reference is loaded) and pi_old's, which are needed only when
-        the update is not the first step on the batch or the KL goes into the reward."""
-        cfg, plan = self.cfg, [mb for p in plans for mb in p]
-        tau = cfg.rollout.temperature
-        ref_logp = None
-        if self.ref_model is not None:
-            ref_logp = batch_logprobs(self.ref_model, batch, plan, self.pad_id, tau, self.dist)
-        elif self.adapter_ref:
-            with self.model.disable_adapter():
-                ref_logp = batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist)
-        t, a = cfg.train, cfg.algo
-        needs_old = t.mu > 1 or t.steps_per_generation > 1 or a.kl_placement == "reward"
-        needs_old = needs_old or a.rollout_correction is not None
-        old_logp = batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist) if needs_old else None
-        return old_logp, ref_logp
+    def _dump_path(self) -> Path | None:
+        """Where the update dumps its first micro-batch (``train.dump_tensors``; rank 0's directory)."""
+        if not (self.cfg.train.dump_tensors and self.dist.is_main):
+            return None
+        (self.run_dir / "tensors").mkdir(exist_ok=True)
+        return self.run_dir / "tensors" / f"step-{self.step:06d}.pt"
 
-    def _shaped_rewards(self, total_B, batch: TrainBatch, old_logp, ref_logp) -> torch.Tensor:
-        """``algo.kl_placement: reward``: r <- r - beta * sum_t KL_t (estimator ``algo.kl``)."""
-        a = self.cfg.algo
-        if a.kl_placement != "reward" or ref_logp is None:
-            return total_B
-        return kl_shaped_rewards(total_B, old_logp, ref_logp, batch.completion_mask, a.beta, a.kl)
+    # the learner's state, as before (checkpoints, tests and users read these)
+    optimizer = property(lambda self: self.learner.optimizer)
+    ref_model = property(lambda self: self.learner.ref_model)
+    adapter_ref = property(lambda self: self.learner.adapter_ref)
+    train_module = property(lambda self: self.learner.train_module)
+
+    @property
+    def num_skipped_steps(self) -> int:
+        return self.learner.num_skipped_steps
+
+    @num_skipped_steps.setter
+    def num_skipped_steps(self, value: int) -> None:
+        self.learner.num_skipped_steps = value
 
     def _dump_advantages(self, total_B: torch.Tensor, adv_B: torch.Tensor, group_size: int) -> None:
         if self.cfg.train.dump_tensors and self.dist.is_main:  # what the advantages were computed from
@@ -495,66 +444,6 @@ class GRPOTrainer:
             adv_B = group_advantages(total_B, G, estimator=a.estimator, scale=a.scale, eps=a.eps)
         return adv_B[local]
 
-    def _update(
-        self, batch: TrainBatch, plans: list, old_logp, ref_logp, is_weights, mismatch_logp
-    ) -> tuple[UpdateStats, float, bool]:
-        """``mu`` inner epochs x ``steps_per_generation`` optimizer steps on one batch; returns the
-        combined statistics, the last learning rate, and whether the update was skipped."""
-        cfg = self.cfg
-        per_gen = cfg.train.mu * len(plans)
-        first = (self.step - 1) * per_gen
-        all_zero = self.dist.max(float(bool((batch.advantages != 0).any()))) == 0  # on every rank
-        if all_zero and self.loss_spec.beta == 0:  # no signal: Adam would turn leftover noise into a step
-            self.num_skipped_steps += 1
-            zero = dict(clip_fraction=0.0, clip_fraction_low=0.0, clip_fraction_high=0.0)
-            return UpdateStats(loss=0.0, num_tokens=0, **zero), learning_rate(first, cfg.train), True
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        dump = None
-        if cfg.train.dump_tensors and self.dist.is_main:  # the run directory is rank 0's
-            (self.run_dir / "tensors").mkdir(exist_ok=True)
-            dump = self.run_dir / "tensors" / f"step-{self.step:06d}.pt"
-        steps = []
-        for epoch in range(cfg.train.mu):
-            for k, plan in enumerate(plans):
-                lr = learning_rate(first + epoch * len(plans) + k, cfg.train)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                self.optimizer.zero_grad(set_to_none=True)
-                # train mode only so HF's gradient checkpointing engages; every dropout is already 0
-                self.train_module.train(cfg.model.gradient_checkpointing)
-                stats = accumulate_policy_gradient(
-                    self.train_module,
-                    batch,
-                    plan,
-                    self.pad_id,
-                    temperature=cfg.rollout.temperature,
-                    loss=self.loss_spec,
-                    old_logp=old_logp,
-                    ref_logp=ref_logp,
-                    entropy_top_q=cfg.algo.entropy_top_q,
-                    is_weights=is_weights,
-                    mismatch_logp=mismatch_logp if epoch == 0 else None,
-                    dump_path=dump if epoch == 0 and k == 0 else None,
-                    dist=self.dist,
-                )
-                self.train_module.eval()
-                norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or math.inf)
-                norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-                self.optimizer.step()
-                steps.append(UpdateStats(**{**vars(stats), "grad_norm": norm}))
-        self.optimizer.zero_grad(set_to_none=True)
-        return UpdateStats.combine(steps), lr, False
-
-    def _maybe_sync_reference(self) -> None:
-        """DeepSeekMath's iterative GRPO: every ``ref_sync_every`` steps,
-        ref <- mix * policy + (1 - mix) * ref."""
-        a = self.cfg.algo
-        if self.ref_model is None or not a.ref_sync_every or self.step % a.ref_sync_every:
-            return
-        with torch.no_grad():
-            for p_ref, p in zip(self.ref_model.parameters(), self.model.parameters(), strict=True):
-                p_ref.mul_(1.0 - a.ref_sync_mix).add_(p.detach(), alpha=a.ref_sync_mix)
-
     def _next_prompts(self, n: int) -> tuple[list[dict], list[str]]:
         """The next ``n`` rows of the stream; under torchrun, this rank's contiguous share of them."""
         share = n // self.dist.world_size
@@ -604,22 +493,3 @@ class GRPOTrainer:
         )
         return run_summary(self.step, wall, self.dist.world_size, counts, alerts, self.stop_reason, last,
                            self.cfg.data.task, before, after)  # fmt: skip
-
-
-def loss_spec(cfg: GRPOConfig) -> LossSpec:
-    """The run's loss options, built once: KL in the loss only with ``kl_placement: loss``."""
-    a = cfg.algo
-    return LossSpec(
-        beta=a.beta if a.kl_placement == "loss" else 0.0,
-        clip_low=a.clip_low,
-        clip_high=a.clip_high,
-        ratio_level=a.ratio_level,
-        aggregation=a.aggregation,
-        max_completion_length=cfg.rollout.max_new_tokens,
-        kl_kind=a.kl,
-        surrogate=a.surrogate,
-        delta=a.delta,
-        cispo_max_ratio=a.cispo_max_ratio,
-        sapo_tau_pos=a.sapo_tau_pos,
-        sapo_tau_neg=a.sapo_tau_neg,
-    )
