@@ -6,11 +6,14 @@ configured rewards, turns rewards into group-relative advantages, and makes ``mu
 steps on that batch with pi_old fixed to the sampling policy. Everything about the run goes to
 the run directory (config.yaml, metrics.jsonl, samples.jsonl, summary.json, final/, report.html).
 
+The step is a sequence of named stages (``train_step``), each decided in its own place: the
+generation loop with DAPO's dynamic sampling (train/generate.py), rewards (rewards/), advantages
+(algo/), the update stages -- pi_old / pi_ref, corrections, optimizer steps (train/update.py) --
+and the step's metrics (train/metrics.py).
+
 Decisions worth knowing:
 - Dropout is off throughout (the model stays in eval mode): with it on, pi_theta would differ
   from pi_old at the very first inner step and the ratio would be noise, not 1.
-- A step whose advantages are all zero with beta = 0 has no learning signal; its optimizer step
-  is skipped, because Adam would turn leftover numerical noise into a full-size update.
 - Sampling draws from its own ``torch.Generator``; evaluation is greedy and sample logging uses
   its own ``random.Random``: changing either never changes the training trajectory.
 
