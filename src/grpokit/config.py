@@ -66,6 +66,12 @@ class ModelConfig:
         None, "Train LoRA adapters (needs grpokit[peft]); the reference is the adapter-off base."
     )
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward: less memory, more time.")
+    fused_logprobs: bool = _f(
+        True,
+        "Training log-probs from the hidden states and the output head, block by block (the [B, T, V] "
+        "logits never exist) for llama / qwen2 / qwen3 / mistral models; others, and FSDP, use the logits "
+        "path, with the reason printed once.",
+    )
 
 
 @dataclass

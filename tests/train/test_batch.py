@@ -106,3 +106,40 @@ def test_first_inner_epoch_ratio_is_one(batch64):
         1.0, abs=1e-12
     )
     assert stats.clip_fraction == 0.0
+
+
+@pytest.mark.parametrize("aggregation", AGGS)
+def test_log_probs_from_hidden_states_equal_the_logits_path(batch64, aggregation):
+    # the same loss and the same gradients (every parameter, the tied head included) in float64
+    # whether the head projects full logits or hidden_token_logprobs projects block by block
+    from grpokit.models.loading import fused_head_reason
+
+    model, _, batch = batch64
+    assert fused_head_reason(model) is None
+    B = batch.num_rows
+    old = batch_logprobs(model, batch, [list(range(B))], 0, 0.8) - 0.05
+    assert torch.allclose(
+        batch_logprobs(model, batch, [list(range(B))], 0, 0.8, fused_head=True) - 0.05, old, atol=1e-12
+    )
+    kw = dict(loss=LossSpec(aggregation=aggregation, max_completion_length=7), old_logp=old, temperature=0.8)
+    plan = plan_micro_batches(batch.total_lengths(), 3)
+    grads, stats = [], []
+    for fused in (False, True):
+        model.zero_grad(set_to_none=True)
+        stats.append(accumulate_policy_gradient(model, batch, plan, 0, fused_head=fused, **kw))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert stats[1].loss == pytest.approx(stats[0].loss, rel=1e-10) and stats[1].entropy == pytest.approx(
+        stats[0].entropy, rel=1e-10
+    )
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert "forward" not in model.get_output_embeddings().__dict__  # the head is restored
+
+
+def test_models_outside_the_whitelist_keep_the_logits_path():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from grpokit.models.loading import fused_head_reason
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=16))
+    assert "model_type 'gpt2' is not one of" in fused_head_reason(gpt2)

@@ -244,3 +244,32 @@ def token_entropy(
         lse_c = torch.logsumexp(z_cV, dim=-1)
         out_BT[b, t0:t1] = lse_c - (torch.softmax(z_cV, dim=-1) * z_cV).sum(dim=-1)
     return out_BT
+
+
+@torch.no_grad()
+def hidden_token_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    block_tokens: int | None = None,
+) -> torch.Tensor:
+    r""":func:`token_entropy` of ``(hidden @ weight.T + bias) / temperature``, one block of tokens at a
+    time, so the logits never exist in full (the companion of :func:`hidden_token_logprobs`).
+
+    Returns ``[B, T]`` in float32 (float64 for float64 inputs); no gradient.
+    """
+    if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [B, T, H] and weight [V, H]; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    B, T, _ = hidden.shape
+    out_BT = torch.empty(B, T, dtype=_acc_dtype(hidden.dtype), device=hidden.device)
+    for b, t0, t1 in _blocks(B, T, _block_rows(weight.shape[0], block_tokens)):
+        z_cV = _block_logits(hidden[b, t0:t1], weight, bias, temperature)
+        lse_c = torch.logsumexp(z_cV, dim=-1)
+        out_BT[b, t0:t1] = lse_c - (torch.softmax(z_cV, dim=-1) * z_cV).sum(dim=-1)
+    return out_BT

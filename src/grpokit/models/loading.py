@@ -177,3 +177,45 @@ def accepts_kwarg(model, name: str) -> bool:
     if key not in _ACCEPTS:
         _ACCEPTS[key] = name in inspect.signature(target.forward).parameters
     return _ACCEPTS[key]
+
+
+# Families whose logits are exactly lm_head(hidden): no soft-capping, scaling or bias tricks after it.
+FUSED_HEAD_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def fused_head_reason(model) -> str | None:
+    """None when the trainer may compute log-probs from the hidden states and the LM head
+    (``algo.hidden_token_logprobs``, the full [B, T, V] logits never formed); else why not."""
+    inner = getattr(model, "module", model)  # DDP
+    config = getattr(inner, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in FUSED_HEAD_FAMILIES:
+        return f"model_type {family!r} is not one of {FUSED_HEAD_FAMILIES}"
+    for key in ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, key, None) not in (None, 1, 1.0):
+            return f"the model scales or caps its logits ({key}={getattr(config, key)})"
+    head = inner.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return f"its output head is a {type(head).__name__}, not a Linear layer"
+    if type(head.weight.data) is not torch.Tensor:
+        return "its output head is sharded (FSDP): the head's weight is not whole outside the forward"
+    return None
+
+
+class head_returns_hidden:
+    """Within this context the model's output head returns its input: the model's ``logits`` are the
+    last hidden states, for :func:`grpokit.algo.hidden_token_logprobs` to project block by block."""
+
+    def __init__(self, model) -> None:
+        self.head = getattr(model, "module", model).get_output_embeddings()
+
+    def __enter__(self) -> torch.nn.Linear:
+        self.saved = self.head.__dict__.get("forward")
+        self.head.forward = lambda hidden: hidden
+        return self.head
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is None:
+            del self.head.forward
+        else:
+            self.head.forward = self.saved

@@ -21,14 +21,22 @@ Shape legend: B rows (completions), T completion width, b rows in a micro-batch,
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from grpokit.algo import LossSpec, policy_loss, token_entropy, token_logprobs
+from grpokit.algo import (
+    LossSpec,
+    hidden_token_entropy,
+    hidden_token_logprobs,
+    policy_loss,
+    token_entropy,
+    token_logprobs,
+)
 from grpokit.algo.correction import mismatch_stats
-from grpokit.models.loading import accepts_kwarg
+from grpokit.models.loading import accepts_kwarg, head_returns_hidden
 from grpokit.rollout.sampler import Rollout
 from grpokit.train.distributed import Dist, grad_sync
 
@@ -190,38 +198,59 @@ def collate(batch: TrainBatch, rows: list[int], pad_id: int, device: torch.devic
 
 
 def completion_logprobs(
-    model, mb: MicroBatch, temperature: float, with_entropy: bool = False
+    model, mb: MicroBatch, temperature: float, with_entropy: bool = False, fused_head: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[b, T']`` of the completion tokens (and their entropies) under ``model``.
 
     The logits at position L-1+t predict completion token t; only those T' positions (plus the
-    last) are projected to the vocabulary when the model supports ``logits_to_keep``.
+    last) are projected to the vocabulary when the model supports ``logits_to_keep``. With
+    ``fused_head`` (``models.loading.fused_head_reason`` says the model allows it) the head returns
+    the hidden states instead and ``hidden_token_logprobs`` projects them block by block, in
+    float32 outside autocast: the [b, T', V] logits and their gradient never exist.
     """
     T = mb.completion_ids.shape[1]
     kw = {"logits_to_keep": T + 1} if accepts_kwarg(model, "logits_to_keep") else {}
-    logits = model(
-        input_ids=mb.input_ids,
-        attention_mask=mb.attention_mask,
-        position_ids=mb.position_ids,
-        use_cache=False,
-        **kw,
-    ).logits
-    logits_bTV = logits[:, :T] if kw else logits[:, mb.prompt_width - 1 : mb.prompt_width - 1 + T]
-    logp = token_logprobs(logits_bTV, mb.completion_ids, temperature=temperature)
-    entropy = token_entropy(logits_bTV.detach(), temperature=temperature) if with_entropy else None
+    with head_returns_hidden(model) if fused_head else contextlib.nullcontext() as head:
+        out = model(
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids,
+            use_cache=False,
+            **kw,
+        ).logits
+    out_bT = out[:, :T] if kw else out[:, mb.prompt_width - 1 : mb.prompt_width - 1 + T]
+    if not fused_head:
+        logp = token_logprobs(out_bT, mb.completion_ids, temperature=temperature)
+        entropy = token_entropy(out_bT.detach(), temperature=temperature) if with_entropy else None
+        return logp, entropy
+    weight, bias = head.weight, head.bias
+    with torch.autocast(out_bT.device.type, enabled=False):  # the head in float32, as keep_head_float32
+        hidden = out_bT.to(weight.dtype)
+        logp = hidden_token_logprobs(hidden, weight, mb.completion_ids, bias=bias, temperature=temperature)
+        entropy = None
+        if with_entropy:
+            entropy = hidden_token_entropy(
+                hidden.detach(), weight.detach(), bias=bias, temperature=temperature
+            )
     return logp, entropy
 
 
 @torch.no_grad()
 def batch_logprobs(
-    model, batch: TrainBatch, plan: list[list[int]], pad_id: int, temperature: float, dist: Dist | None = None
+    model,
+    batch: TrainBatch,
+    plan: list[list[int]],
+    pad_id: int,
+    temperature: float,
+    dist: Dist | None = None,
+    fused_head: bool = False,
 ) -> torch.Tensor:
     """``[B, T]`` log-probs of every completion token under ``model`` (for pi_old and pi_ref), no grad."""
     param = next(model.parameters())
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.promote_types(param.dtype, torch.float32))
     for rows in (dist or Dist()).pad_plan(plan):
         mb = collate(batch, rows or [0], pad_id, param.device)
-        logp, _ = completion_logprobs(model, mb, temperature)
+        logp, _ = completion_logprobs(model, mb, temperature, fused_head=fused_head)
         if rows:  # an empty micro-batch only keeps the ranks' forward passes in step
             out[rows, : logp.shape[1]] = logp.cpu()
     return out
@@ -242,6 +271,7 @@ def accumulate_policy_gradient(
     mismatch_logp: torch.Tensor | None = None,
     dump_path: Path | None = None,
     dist: Dist | None = None,
+    fused_head: bool = False,
 ) -> UpdateStats:
     """Forward + backward over every micro-batch of ``plan``; gradients accumulate in ``.grad``.
 
@@ -262,6 +292,7 @@ def accumulate_policy_gradient(
             pi_old when the plan is the generation's only optimizer step): the sums go into the
             returned ``mismatch_*`` fields. None: not measured here.
         dump_path: write the first micro-batch's inputs and loss here (``train.dump_tensors``).
+        fused_head: log-probs from hidden states and the head (:func:`completion_logprobs`).
         dist: under torchrun, ``model`` is the DDP / FSDP module: counts and metrics are summed over
             ranks, gradients are synchronised once (in the last micro-batch's backward), and the
             loss is scaled by the world size because DDP and FSDP average gradients over ranks.
@@ -288,6 +319,7 @@ def accumulate_policy_gradient(
             stats = _micro_batch_backward(
                 model, batch, rows, pad_id, temperature, loss, counts, old_logp, ref_logp,
                 entropy_top_q, is_weights, mismatch_logp, dump_path if k == 0 else None, d.world_size,
+                fused_head,
             )  # fmt: skip
         if stats is None:
             continue
@@ -312,7 +344,7 @@ def accumulate_policy_gradient(
 
 def _micro_batch_backward(
     model, batch, rows, pad_id, temperature, spec, counts, old_logp, ref_logp, entropy_top_q,
-    is_weights, mismatch_logp, dump_path, world_size,
+    is_weights, mismatch_logp, dump_path, world_size, fused_head,
 ) -> dict | None:  # fmt: skip
     """Forward + backward of one micro-batch; its metrics, or None when it has no tokens. An empty
     ``rows`` runs a stand-in row with its loss multiplied by 0 (the ranks' passes stay in step)."""
@@ -320,7 +352,7 @@ def _micro_batch_backward(
     dummy = not rows
     rows = rows or [0]
     mb = collate(batch, rows, pad_id, device)
-    logp, entropy = completion_logprobs(model, mb, temperature, with_entropy=True)
+    logp, entropy = completion_logprobs(model, mb, temperature, with_entropy=True, fused_head=fused_head)
     T = logp.shape[1]
     old = logp.detach() if old_logp is None else old_logp[rows, :T].to(device)
     ref = None if ref_logp is None else ref_logp[rows, :T].to(device)

@@ -152,6 +152,8 @@ class GRPOTrainer:
             if note:
                 self._print(note)
         self.learner = Learner(cfg, model, self.dist, self.pad_id)
+        if cfg.model.fused_logprobs and not self.learner.fused_head:
+            self._print(f"grpokit: training log-probs use the full logits: {self.learner.fused_head_off}")
         self.generator = torch.Generator(self.device).manual_seed(t.seed)
         self.engine, self._engine_stale = engine_from_config(cfg, tokenizer), True
         r = cfg.rollout

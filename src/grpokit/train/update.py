@@ -27,7 +27,7 @@ import torch
 
 from grpokit.algo import LossSpec, kl_shaped_rewards
 from grpokit.algo.correction import correction_weights, mismatch_stats
-from grpokit.models.loading import reference_copy
+from grpokit.models.loading import fused_head_reason, reference_copy
 from grpokit.rollout.sampler import Rollout
 from grpokit.train.batch import TrainBatch, UpdateStats, accumulate_policy_gradient, batch_logprobs
 from grpokit.train.distributed import Dist, shard, wrap
@@ -51,6 +51,11 @@ class Learner:
         self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.train)
         self.loss_spec = loss_spec(cfg)
         self.num_skipped_steps = 0
+        # log-probs from hidden states + head (no full logits) where the model family allows it
+        self.fused_head_off = (
+            fused_head_reason(model) if cfg.model.fused_logprobs else "model.fused_logprobs is off"
+        )
+        self.fused_head = self.fused_head_off is None
 
     def logprobs(self, batch: TrainBatch, plans: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """pi_ref's log-probs (when a reference is loaded) and pi_old's, which are needed only when
@@ -59,14 +64,22 @@ class Learner:
         tau = cfg.rollout.temperature
         ref_logp = None
         if self.ref_model is not None:
-            ref_logp = batch_logprobs(self.ref_model, batch, plan, self.pad_id, tau, self.dist)
+            ref_logp = batch_logprobs(
+                self.ref_model, batch, plan, self.pad_id, tau, self.dist, self.fused_head
+            )
         elif self.adapter_ref:
             with self.model.disable_adapter():
-                ref_logp = batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist)
+                ref_logp = batch_logprobs(
+                    self.model, batch, plan, self.pad_id, tau, self.dist, self.fused_head
+                )
         t, a = cfg.train, cfg.algo
         needs_old = t.mu > 1 or t.steps_per_generation > 1 or a.kl_placement == "reward"
         needs_old = needs_old or a.rollout_correction is not None
-        old_logp = batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist) if needs_old else None
+        old_logp = (
+            batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist, self.fused_head)
+            if needs_old
+            else None
+        )
         return old_logp, ref_logp
 
     def shaped_rewards(self, total_B, batch: TrainBatch, old_logp, ref_logp) -> torch.Tensor:
@@ -154,6 +167,7 @@ class Learner:
                     mismatch_logp=mismatch_logp if epoch == 0 else None,
                     dump_path=dump if epoch == 0 and k == 0 else None,
                     dist=self.dist,
+                    fused_head=self.fused_head,
                 )
                 self.train_module.eval()
                 norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or math.inf)
