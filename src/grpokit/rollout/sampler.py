@@ -62,14 +62,22 @@ class Rollout:
     sampler_logp: torch.Tensor | None = None
     # [B] the trainer's step count when each row was sampled (every token of a row comes from it)
     policy_version: torch.Tensor | None = None
+    # multi-turn episodes (rollout.episodes): [B, T] bool, True where the model wrote the token and
+    # False where an environment inserted it (tool results, turn headers); None: the model wrote all
+    model_mask: torch.Tensor | None = None
+    episodes: list | None = None  # [B] rollout.episodes.Episode: the turns, the environment's reward
+
+    @property
+    def trained_mask(self) -> torch.Tensor:  # [B, T] bool: the model's own tokens (loss, KL, lengths)
+        return self.completion_mask if self.model_mask is None else self.model_mask & self.completion_mask
 
     @property
     def num_rows(self) -> int:
         return self.completion_ids.shape[0]
 
     @property
-    def completion_lengths(self) -> torch.Tensor:  # [B]
-        return self.completion_mask.sum(dim=1)
+    def completion_lengths(self) -> torch.Tensor:  # [B] tokens the model wrote
+        return self.trained_mask.sum(dim=1)
 
     def completion_token_lists(self) -> list[list[int]]:
         """Each completion's token ids without padding (the ``completion_ids`` reward column)."""
@@ -89,6 +97,8 @@ class Rollout:
             G,
             None if self.sampler_logp is None else self.sampler_logp[rows],
             None if self.policy_version is None else self.policy_version[rows],
+            None if self.model_mask is None else self.model_mask[rows],
+            None if self.episodes is None else [self.episodes[r] for r in rows],
         )
 
 
@@ -117,6 +127,10 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         None
         if any(r.policy_version is None for r in parts)
         else torch.cat([r.policy_version for r in parts]),
+        None
+        if any(r.model_mask is None for r in parts)
+        else torch.cat([right(r.model_mask, False) for r in parts]),
+        None if any(r.episodes is None for r in parts) else [e for r in parts for e in r.episodes],
     )
 
 
@@ -184,19 +198,8 @@ def sample(
     total = B if num_rows_total is None else num_rows_total
     if not 0 <= row_offset <= total - B:
         raise ValueError(f"rows [{row_offset}, {row_offset + B}) do not fit a batch of {total} rows")
-    # One uniform per (position, global row), drawn up front, so the generator advances by the same
-    # amount on every rank and for every batch composition. Greedy decoding touches no random stream.
-    u_TB = torch.zeros((params.max_new_tokens, B), device=device)
-    if params.temperature != 0:
-        u_TB = torch.rand((params.max_new_tokens, total), generator=generator, device=device)
-        u_TB = u_TB[:, row_offset : row_offset + B]
-
-    # Prompt pass: once per prompt, then the cache is repeated for the G members of the group.
-    ids_PL, mask_PL = prompt_ids.to(device), prompt_mask.to(device)
-    logits_PV, cache = _step(model, ids_PL, mask_PL.long(), _positions(mask_PL), None)
-    cache.batch_repeat_interleave(group_size)
-    logits_bV = logits_PV.repeat_interleave(group_size, dim=0)
-    attn_bL = mask_PL.long().repeat_interleave(group_size, dim=0)
+    u_TB = uniforms(params.max_new_tokens, total, row_offset, B, params.temperature, generator, device)
+    logits_bV, cache, attn_bL = prompt_pass(model, prompt_ids, prompt_mask, group_size, device)
 
     out_BT = torch.full((B, params.max_new_tokens), pad, dtype=torch.long)
     logp_BT = torch.zeros((B, params.max_new_tokens), dtype=torch.float32)
@@ -283,3 +286,25 @@ def _step(model, ids, attn, positions, cache):
     out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, **kw)
     new_cache = out.cache if "cache" in out else out.past_key_values
     return out.logits[:, -1], new_cache
+
+
+def uniforms(
+    K: int, total: int, row_offset: int, B: int, temperature: float, generator, device
+) -> torch.Tensor:
+    """[K, B]: one uniform per (token index, global row) for rows [row_offset, row_offset + B) of
+    ``total``, drawn up front, so the generator advances by the same amount on every rank and for
+    every batch composition. Greedy decoding (temperature 0) touches no random stream."""
+    if temperature == 0:
+        return torch.zeros((K, B), device=device)
+    u_KT = torch.rand((K, total), generator=generator, device=device)
+    return u_KT[:, row_offset : row_offset + B]
+
+
+def prompt_pass(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, device):
+    """Run each prompt once, then repeat its cache for the G members of its group. Returns the
+    next-token logits [P*G, V], the cache and the attention mask so far [P*G, L]."""
+    ids_PL, mask_PL = prompt_ids.to(device), prompt_mask.to(device)
+    logits_PV, cache = _step(model, ids_PL, mask_PL.long(), _positions(mask_PL), None)
+    cache.batch_repeat_interleave(group_size)
+    logits_bV = logits_PV.repeat_interleave(group_size, dim=0)
+    return logits_bV, cache, mask_PL.long().repeat_interleave(group_size, dim=0)

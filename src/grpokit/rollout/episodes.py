@@ -1,0 +1,323 @@
+"""Multi-turn episodes: G episodes per row with an environment answering each model turn, token-exact.
+
+What it does: every completion is an episode with its own environment (``envs.Environment``). The
+first messages (``reset``) are rendered and encoded once per group and run through the model once;
+then all episodes decode together, one token per step, each stopping on its own. When a row's
+turn ends (EOS, a stop string such as a tool call's ``</call>``), its text goes to the
+environment; the observation it returns is rendered (``envs.render.observation_text``), encoded
+once and appended to that row's stream **as ids**, and fed through the model on the next step
+together with the other rows' single tokens: the KV cache of the episode is kept across turns
+(rows whose chunk is shorter are padded inside the chunk, and the padding is masked out of every
+later attention). Positions count real tokens only, so the trainer's contiguous re-computation
+sees exactly the sampled context.
+
+The stream after the prompt is recorded with ``Rollout.model_mask`` (True: the model wrote the
+token, it gets a loss, a KL term and counts in the lengths; False: the environment inserted it)
+and each model token's sampler log-prob. Nothing the model wrote is ever decoded and re-encoded.
+
+Limits: ``params.max_new_tokens`` per model turn, ``max_turns`` model turns, and
+``max_episode_tokens`` tokens after the prompt (model and environment tokens together; an
+observation that does not fit ends the episode). An episode cut by any of them is ``truncated``.
+
+Randomness: the k-th model token of global row i uses uniform ``u[k, i]`` of one block drawn up
+front, as in ``sampler.sample``: a row's episode does not depend on which rows share its batch
+(data parallelism samples the same episodes as one process).
+
+What it deliberately does not do: score episodes (rewards do, with the conversation as a column),
+or run environments in parallel across rows (tool calls within a turn do run in parallel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from grpokit.envs.base import Environment, make_env_factory
+from grpokit.envs.render import assistant_content, conversation_format, observation_text
+from grpokit.models.loading import accepts_kwarg
+from grpokit.rollout.sampler import (
+    Rollout,
+    SamplingParams,
+    _hits_stop,
+    _sample_next,
+    _step,
+    encode_prompts,
+    pad_token_id,
+    prompt_pass,
+    sample,
+    uniforms,
+)
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """How a run samples episodes instead of single completions (``rollout.env``)."""
+
+    make_env: Callable[[], Environment]  # a fresh environment per episode
+    max_turns: int
+    max_episode_tokens: int
+
+
+def rollout_rows(
+    model, tokenizer, rows: list[dict], prompts: list[str], group_size: int, params: SamplingParams,
+    generator: torch.Generator | None = None, *, episodes: EpisodeSpec | None = None, **kw,
+) -> Rollout:  # fmt: skip
+    """Single completions of the rendered ``prompts`` (``sampler.sample``), or with ``episodes`` the
+    episodes of ``rows`` (their environment renders the prompts). ``kw``: row_offset,
+    num_rows_total, policy_version."""
+    if episodes is None:
+        return sample(model, tokenizer, prompts, group_size, params, generator, **kw)
+    return sample_episodes(
+        model, tokenizer, rows, episodes.make_env, group_size, params, generator,
+        max_turns=episodes.max_turns, max_episode_tokens=episodes.max_episode_tokens, **kw,
+    )  # fmt: skip
+
+
+def episodes_from_config(cfg, tokenizer, env: str | None) -> EpisodeSpec | None:
+    """The run's :class:`EpisodeSpec` for environment ``env`` (``config.rollout_env``: rollout.env or
+    the task's own), or None for single-turn runs. ``tool_format: auto`` is hermes for a tokenizer
+    with a chat template, else pythonic."""
+    if env is None:
+        return None
+    r, d = cfg.rollout, cfg.data
+    fmt = r.tool_format
+    if fmt == "auto":
+        fmt = "hermes" if getattr(tokenizer, "chat_template", None) else "pythonic"
+    make_env = make_env_factory(
+        env, tools=r.tools, tool_format=fmt, tool_timeout_s=r.tool_timeout_s,
+        prompt_column=d.prompt_column, system_prompt=d.system_prompt, env_args=r.env_args,
+    )  # fmt: skip
+    budget = r.max_episode_tokens or r.max_turns * r.max_new_tokens
+    return EpisodeSpec(make_env, r.max_turns, budget)
+
+
+def episode_columns(rollout: Rollout) -> dict[str, list]:
+    """The reward columns of an episode rollout: ``conversation`` (each episode's messages) and
+    ``env_reward`` (the environment's reward, None where it gave none); empty for single turns."""
+    if rollout.episodes is None:
+        return {}
+    return {
+        "conversation": [e.messages for e in rollout.episodes],
+        "env_reward": [e.reward for e in rollout.episodes],
+    }
+
+
+def rollout_prompts(rollout: Rollout, tokenizer) -> list[str]:
+    """Each row's prompt text as the model saw it (the rendered first messages of its episode)."""
+    texts = [
+        tokenizer.decode(ids[m].tolist())
+        for ids, m in zip(rollout.prompt_ids, rollout.prompt_mask, strict=True)
+    ]
+    return [t for t in texts for _ in range(rollout.group_size)]
+
+
+@dataclass
+class Turn:
+    role: str  # "assistant" for the model's turns; the inserted messages' roles otherwise ("tool")
+    text: str  # the model's message / the inserted text, as it appears in the stream
+    trained: bool  # the model wrote it: it gets a loss
+    num_tokens: int
+
+
+@dataclass
+class Episode:
+    messages: list[dict]  # the whole conversation: the first messages, then the turns
+    turns: list[Turn]  # the stream after the prompt, in order
+    reward: float | None  # sum of the environment's rewards; None when it gave none
+    num_tool_calls: int
+    num_tool_errors: int
+    stop: str  # done (the environment ended it) | max_turns | turn_length | budget
+
+    @property
+    def num_turns(self) -> int:  # model turns
+        return sum(t.trained for t in self.turns)
+
+    @property
+    def final_text(self) -> str:  # the model's last message: what a verifier reads
+        return next((t.text for t in reversed(self.turns) if t.trained), "")
+
+    def transcript(self) -> str:
+        """The stream after the prompt as text: the model's turns and what the environment inserted."""
+        return "".join(t.text for t in self.turns)
+
+    def as_dict(self) -> dict:
+        return {
+            "turns": [vars(t) for t in self.turns],
+            "env_reward": self.reward,
+            "tool_calls": self.num_tool_calls,
+            "tool_errors": self.num_tool_errors,
+            "stop": self.stop,
+        }
+
+
+@torch.no_grad()
+def sample_episodes(
+    model,
+    tokenizer,
+    rows: list[dict],
+    make_env: Callable[[], Environment],
+    group_size: int,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    *,
+    max_turns: int,
+    max_episode_tokens: int,
+    row_offset: int = 0,
+    num_rows_total: int | None = None,
+    policy_version: int = 0,
+    fmt=None,
+) -> Rollout:
+    """``group_size`` episodes for each row; ``Rollout.completions`` holds each episode's final
+    model message and ``Rollout.episodes`` the turns. ``fmt``: the conversation format (default:
+    the tokenizer's chat template, else ``PlainFormat``). Other arguments as ``sampler.sample``."""
+    if group_size < 1 or params.max_new_tokens < 1 or max_turns < 1 or max_episode_tokens < 1:
+        raise ValueError("need group_size, max_new_tokens, max_turns and max_episode_tokens >= 1")
+    device = next(model.parameters()).device
+    P, G = len(rows), group_size
+    B = P * G
+    total = B if num_rows_total is None else num_rows_total
+    if not 0 <= row_offset <= total - B:
+        raise ValueError(f"rows [{row_offset}, {row_offset + B}) do not fit a batch of {total} rows")
+    envs = [make_env() for _ in range(B)]
+    first = [env.reset(rows[b // G]) for b, env in enumerate(envs)]
+    if any(first[b] != first[b // G * G] for b in range(B)):
+        raise ValueError("an environment's reset(row) returned different messages for the same row")
+    fmt = fmt if fmt is not None else conversation_format(tokenizer, envs[0].tool_schemas)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [fmt.render(first[p * G], True) for p in range(P)])
+    stops = tuple(params.stop) + tuple(envs[0].stop)
+    eos, pad = tokenizer.eos_token_id, pad_token_id(tokenizer)
+    u_KB = uniforms(max_episode_tokens, total, row_offset, B, params.temperature, generator, device)
+    logits_bV, cache, attn_bL = prompt_pass(model, prompt_ids, prompt_mask, G, device)
+
+    rec = [_Record(list(first[b])) for b in range(B)]
+    active = list(range(B))  # rows still running, in the cache's batch order
+    while active:
+        u_b = u_KB[[rec[b].num_model for b in active], active]
+        next_b, logp_b = _sample_next(logits_bV, params, u_b)
+        feeds, keep = [], []
+        for j, b in enumerate(active):
+            token, r = int(next_b[j]), rec[b]
+            r.add([token], True, [float(logp_b[j])])
+            r.turn.append(token)
+            ended = token == eos or (
+                bool(stops) and bool(_hits_stop(tokenizer, torch.tensor([r.turn]), stops)[0])
+            )
+            if not ended and len(r.turn) < params.max_new_tokens and len(r.ids) < max_episode_tokens:
+                feeds.append([token])
+                keep.append(j)
+                continue
+            turn_text = tokenizer.decode(
+                r.turn, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+            before = list(r.messages)
+            content = assistant_content(fmt, turn_text)
+            r.messages.append({"role": "assistant", "content": content})
+            r.turns.append(Turn("assistant", content, True, len(r.turn)))
+            r.turn = []
+            if not ended:
+                r.stop = "turn_length" if len(r.ids) < max_episode_tokens else "budget"
+                continue
+            res = envs[b].step(content)
+            if res.reward is not None:
+                r.reward = (r.reward or 0.0) + float(res.reward)
+            r.tool_calls += int(res.info.get("tool_calls", 0))
+            r.tool_errors += int(res.info.get("tool_errors", 0))
+            if res.observation is None:
+                r.stop = "done"
+                continue
+            if r.num_turns == max_turns:
+                r.stop = "max_turns"
+                continue
+            text = observation_text(fmt, before, turn_text, res.observation)
+            delta = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(r.ids) + len(delta) >= max_episode_tokens:  # no room for the observation and a reply
+                r.stop = "budget"
+                continue
+            r.messages.extend(res.observation)
+            r.turns.append(Turn("+".join(m["role"] for m in res.observation), text, False, len(delta)))
+            r.add(delta, False, [0.0] * len(delta))
+            feeds.append([token, *delta])
+            keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(active):  # drop finished rows from the batch and the cache
+            keep_t = torch.tensor(keep, device=device)
+            cache.batch_select_indices(keep_t)
+            attn_bL = attn_bL[keep_t]
+            active = [active[j] for j in keep]
+        logits_bV, cache, attn_bL = _feed(model, feeds, attn_bL, cache, pad, device)
+
+    T = max(len(r.ids) for r in rec)
+    ids_BT = torch.full((B, T), pad, dtype=torch.long)
+    real_BT = torch.zeros((B, T), dtype=torch.bool)
+    model_BT = torch.zeros((B, T), dtype=torch.bool)
+    logp_BT = torch.zeros((B, T), dtype=torch.float32)
+    for b, r in enumerate(rec):
+        n = len(r.ids)
+        ids_BT[b, :n], real_BT[b, :n] = torch.tensor(r.ids), True
+        model_BT[b, :n], logp_BT[b, :n] = torch.tensor(r.trained), torch.tensor(r.logp)
+    episodes = [r.episode() for r in rec]
+    return Rollout(
+        prompt_ids,
+        prompt_mask,
+        ids_BT,
+        real_BT,
+        torch.tensor([e.stop != "done" for e in episodes]),
+        [e.final_text for e in episodes],
+        G,
+        logp_BT,
+        torch.full((B,), policy_version, dtype=torch.long),
+        model_BT,
+        episodes,
+    )
+
+
+class _Record:
+    """One episode while it runs."""
+
+    def __init__(self, messages: list[dict]) -> None:
+        self.messages, self.turns = messages, []
+        self.ids: list[int] = []
+        self.trained: list[bool] = []
+        self.logp: list[float] = []
+        self.turn: list[int] = []  # the current model turn's ids
+        self.num_model, self.tool_calls, self.tool_errors = 0, 0, 0
+        self.reward: float | None = None
+        self.stop = "budget"
+
+    @property
+    def num_turns(self) -> int:
+        return sum(t.trained for t in self.turns)
+
+    def add(self, ids: list[int], trained: bool, logp: list[float]) -> None:
+        self.ids += ids
+        self.trained += [trained] * len(ids)
+        self.logp += logp
+        self.num_model += len(ids) if trained else 0
+
+    def episode(self) -> Episode:
+        return Episode(self.messages, self.turns, self.reward, self.tool_calls, self.tool_errors, self.stop)
+
+
+def _feed(model, feeds: list[list[int]], attn_bL: torch.Tensor, cache, pad: int, device):
+    """Run each row's pending tokens (its sampled token, then any observation) through the model in
+    one forward: chunks right-padded to the longest, the padding masked. Returns the logits at each
+    row's last real token [b, V], the cache and the grown attention mask."""
+    w = max(len(f) for f in feeds)
+    ids_bw = torch.full((len(feeds), w), pad, dtype=torch.long)
+    real_bw = torch.zeros((len(feeds), w), dtype=torch.long)
+    for j, f in enumerate(feeds):
+        ids_bw[j, : len(f)], real_bw[j, : len(f)] = torch.tensor(f), 1
+    ids_bw, real_bw = ids_bw.to(device), real_bw.to(device)
+    pos_bw = attn_bL.sum(dim=1, keepdim=True) + torch.arange(w, device=device)[None]
+    attn_bL = torch.cat([attn_bL, real_bw], dim=1)
+    if w == 1:
+        logits_bV, cache = _step(model, ids_bw, attn_bL, pos_bw, cache)
+        return logits_bV, cache, attn_bL
+    kw = {"cache" if accepts_kwarg(model, "cache") else "past_key_values": cache}
+    out = model(input_ids=ids_bw, attention_mask=attn_bL, position_ids=pos_bw, use_cache=True, **kw)
+    last_b = real_bw.sum(dim=1) - 1
+    logits_bV = out.logits[torch.arange(len(feeds), device=device), last_b]
+    return logits_bV, (out.cache if "cache" in out else out.past_key_values), attn_bL
