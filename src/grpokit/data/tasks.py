@@ -29,6 +29,7 @@ class Task:
     make: Callable[[random.Random, int], tuple[str, str]]  # (rng, difficulty) -> (prompt, answer)
     verify: Callable[[str, str, str], float]  # (prompt, completion, answer) -> 1.0 | 0.0
     default_difficulty: int
+    env: str | None = None  # the environment the task needs (rollout.env), e.g. "calculator"
 
     def as_reward(self) -> Callable[..., list[float]]:
         """The exact verifier as a batched reward ``(prompts, completions, answer, **columns)``:
@@ -54,6 +55,14 @@ def _verify_exact(prompt: str, completion: str, answer: str) -> float:
 def _make_addition(rng: random.Random, digits: int) -> tuple[str, str]:
     a, b = rng.randrange(10**digits), rng.randrange(10**digits)
     return f"{a}+{b}=", str(a + b)
+
+
+def _make_multiplication(rng: random.Random, digits: int) -> tuple[str, str]:
+    """Operands of 3 to ``digits`` digits (at least 3): beyond what the tiny model does in its head."""
+    lo = min(3, digits)
+    n, m = rng.randint(lo, digits), rng.randint(lo, digits)
+    a, b = rng.randrange(10 ** (n - 1), 10**n), rng.randrange(10 ** (m - 1), 10**m)
+    return f"{a}*{b}=", str(a * b)
 
 
 def _make_sort(rng: random.Random, length: int) -> tuple[str, str]:
@@ -229,6 +238,15 @@ TASKS: dict[str, Task] = {
         _make_word_problem,
         _verify_final_number,
         default_difficulty=3,
+    ),
+    "calculator": Task(
+        "calculator",
+        "a*b= with operands of 3 to `difficulty` digits, to be solved with the calculator tool "
+        "(rollout.env: calculator); answer: the product, as the model's last message",
+        _make_multiplication,
+        _verify_exact,
+        default_difficulty=4,
+        env="calculator",
     ),
 }
 

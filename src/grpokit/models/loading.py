@@ -25,7 +25,7 @@ from grpokit.errors import MissingFileError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-ALIASES = ("tiny", "smollm2-135m-instruct")  # names that resolve without a path
+ALIASES = ("tiny", "tiny-calculator", "smollm2-135m-instruct")  # names that resolve without a path
 
 
 def resolve_model_path(name_or_path: str, gguf_file: str | None = None) -> Path:
@@ -41,10 +41,10 @@ def resolve_model_path(name_or_path: str, gguf_file: str | None = None) -> Path:
         if not file.is_file() and Path(name_or_path).is_dir():
             file = Path(name_or_path) / gguf_file
         return converted_dir(file)
-    if name_or_path == "tiny":
+    if name_or_path in ("tiny", "tiny-calculator"):
         from grpokit.models.tiny import shipped_model_dir
 
-        return shipped_model_dir()
+        return shipped_model_dir(name_or_path)
     if name_or_path in ALIASES:
         from grpokit.models.gguf import converted_dir, shipped_gguf
 

@@ -5,7 +5,8 @@ What it does: ``char_tokenizer`` trains (builds) a character-level tokenizer wit
 small Llama config. Tests build throw-away models from these; the shipped demo model
 (``shipped_model_dir()``, ``model.name_or_path: tiny``) is built from them by
 ``scripts/build_tiny_model.py``: ~100K parameters, a brief sloppy-teacher warm-up on the
-built-in tasks, ~17% greedy accuracy on sort, the rest is left to GRPO.
+built-in tasks, ~17% greedy accuracy on sort, the rest is left to GRPO. ``tiny-calculator``
+(``--task calculator``) continues it with a sloppy warm-up on tool calls for the calculator task.
 
 What it deliberately does not do: download anything. Every model here is made on this machine.
 """
@@ -63,9 +64,13 @@ def tiny_config(
     )
 
 
-def shipped_model_dir() -> Path:
-    """The directory of the embedded model inside the installed package."""
-    path = Path(__file__).resolve().parent / "tiny_model"
+SHIPPED = {"tiny": "tiny_model", "tiny-calculator": "tiny_calculator_model"}
+
+
+def shipped_model_dir(name: str = "tiny") -> Path:
+    """The directory of an embedded model inside the installed package: ``tiny`` (the demo's) or
+    ``tiny-calculator`` (the tiny model after a warm-up on calculator tool calls)."""
+    path = Path(__file__).resolve().parent / SHIPPED[name]
     if not (path / "model.safetensors").is_file():
         raise MissingFileError(
             f"the embedded tiny model is missing from {path}; rebuild it with scripts/build_tiny_model.py"
