@@ -14,7 +14,7 @@ import sys
 import time
 
 import grpokit
-from grpokit.config import load_config
+from grpokit.config import BUILTIN_CONFIGS, load_config
 from grpokit.errors import ConfigError, MissingFileError, RunExistsError, TrainingInterrupted, UserError
 
 # grpokit demo --model NAME: (built-in config, what the banner calls the model)
@@ -49,9 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="tiny: the embedded 104K-parameter model on sort (about 30 s); smollm2: SmolLM2-135M-Instruct "
         "on arithmetic word problems (about 35 min on 2 cores; needs grpokit[smollm2])",
     )
-    demo.add_argument("--task", help="built-in task (default: the model's demo task); see grpokit.data.tasks")
     demo.add_argument(
-        "--steps", type=int, help="GRPO steps (default: the demo config's: 300 tiny, 45 smollm2)"
+        "--task",
+        help="built-in task (default: the model's demo task; see grpokit.data.tasks); calculator: the tiny "
+        "model learns to call a calculator tool (configs/demo-calculator.yaml, about 2 min)",
+    )
+    demo.add_argument(
+        "--steps",
+        type=int,
+        help="GRPO steps (default: the demo config's: 300 tiny, 200 calculator, 45 smollm2)",
     )
     demo.add_argument("--seed", type=int, help="seed of the run (default: 0)")
     _add_run_options(demo)
@@ -177,6 +183,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         stamp = d.broadcast(time.strftime("%Y%m%d-%H%M%S"))
         overrides.append(f"train.output_dir=runs/demo-{args.model}-{stamp}")
     config_name, model_name = DEMO_MODELS[args.model]
+    if args.task and args.model == "tiny" and (BUILTIN_CONFIGS / f"demo-{args.task}.yaml").is_file():
+        config_name = f"demo-{args.task}"  # a task with its own demo (calculator: its model and tools)
     cfg = load_config(config_name, overrides + _overrides(args))
     console = Console(quiet=not d.is_main)
     console.print(
@@ -211,11 +219,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"{mark.get(a['reward'], '')}{a['completion']}",
         )
     console.print(samples)
+    _print_transcripts(console, summary["eval_examples_after"])
     console.print(
         f"{summary['steps']} steps in {summary['wall_time_s']:.1f} s; run directory: "
         f"{cfg.train.output_dir}; report: {cfg.train.output_dir}/report.html"
     )
     return 0
+
+
+def _print_transcripts(console, examples: list[dict]) -> None:
+    """Multi-turn runs: the first held-out episodes after training, each turn as the model saw it."""
+    from rich.markup import escape
+
+    for ex in [e for e in examples if "transcript" in e][:2]:
+        console.print(f"[bold]episode[/] {escape(ex['prompt'])!s} (reward {ex['reward']:g}):")
+        console.print(escape(ex["transcript"]), highlight=False)
 
 
 def _model_dir(path: str):
@@ -225,7 +243,11 @@ def _model_dir(path: str):
     from grpokit.train.checkpoint import find_checkpoint
 
     p = Path(path)
-    if path == "tiny" or (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
+    if (
+        path in ("tiny", "tiny-calculator")
+        or (p / "config.json").is_file()
+        or (p / "adapter_config.json").is_file()
+    ):
         return path
     if any((p / "final" / name).is_file() for name in ("config.json", "adapter_config.json")):
         return str(p / "final")

@@ -120,6 +120,29 @@ class RolloutConfig:
     vllm_sleep: bool = _f(
         True, "engine vllm: free vLLM's KV cache (sleep mode) while the trainer runs its update."
     )
+    env: str | None = _f(
+        None,
+        "Multi-turn environment: tools (rollout.tools answer the model's tool calls) | calculator | "
+        "'module:Class' (a grpokit.envs.Environment); null: single-turn, or the task's own (calculator).",
+    )
+    max_turns: int = _f(4, "env: most model turns per episode; max_new_tokens bounds each turn.")
+    max_episode_tokens: int | None = _f(
+        None,
+        "env: most tokens after the prompt per episode, model and environment "
+        "(null: max_turns x max_new_tokens).",
+    )
+    tools: list[str] = _f(
+        [], "env tools/calculator: tools by name (calculator, python) or 'module:function'."
+    )
+    tool_format: str = _f(
+        "auto",
+        "Tool-call format: hermes (<tool_call>JSON</tool_call>) | pythonic (<call>f(x)</call>) | auto "
+        "(hermes with a chat template, else pythonic).",
+    )
+    tool_timeout_s: float = _f(
+        10.0, "Wall-clock limit of one tool call; a call over it returns an error to the model."
+    )
+    env_args: dict = _f({}, "env 'module:Class': keyword arguments the class is called with.")
 
 
 @dataclass
@@ -386,6 +409,18 @@ def _check(key: str, ok: bool, value: Any, rule: str) -> None:
         raise ConfigError(f"{key}: must be {rule}, got {value!r}")
 
 
+def rollout_env(cfg: GRPOConfig) -> str | None:
+    """The run's environment: ``rollout.env``, else the built-in task's own (calculator), else None."""
+    if cfg.rollout.env is not None:
+        return cfg.rollout.env
+    if cfg.data.task is not None:
+        from grpokit.data.tasks import TASKS
+
+        task = TASKS.get(cfg.data.task)
+        return None if task is None else task.env
+    return None
+
+
 def validate(cfg: GRPOConfig) -> None:
     """Raise ConfigError on the first bad value. Called by GRPOConfig itself."""
     m, d, r, a, t = cfg.model, cfg.data, cfg.rollout, cfg.algo, cfg.train
@@ -450,6 +485,26 @@ def validate(cfg: GRPOConfig) -> None:
     _check(
         "rollout.stop", all(isinstance(s, str) and s for s in r.stop), r.stop, "a list of non-empty strings"
     )
+    _check("rollout.max_turns", r.max_turns >= 1, r.max_turns, ">= 1")
+    if r.max_episode_tokens is not None:
+        _check("rollout.max_episode_tokens", r.max_episode_tokens >= 1, r.max_episode_tokens, ">= 1 or null")
+    _check_choice("rollout.tool_format", r.tool_format, ("auto", "hermes", "pythonic"))
+    _check("rollout.tool_timeout_s", r.tool_timeout_s > 0, r.tool_timeout_s, "> 0")
+    if rollout_env(cfg) is not None:
+        from grpokit.envs.base import BUILTIN_ENVS
+
+        env = rollout_env(cfg)
+        if env not in BUILTIN_ENVS and ":" not in env:
+            raise ConfigError(f"rollout.env={env!r}: use one of {', '.join(BUILTIN_ENVS)} or 'module:Class'")
+        if r.engine == "vllm":
+            raise ConfigError(
+                "rollout.env (multi-turn episodes) runs on the built-in sampler only: its token-exact "
+                "episodes keep each episode's KV cache across turns; use rollout.engine=builtin"
+            )
+        if env == "tools" and not r.tools:
+            raise ConfigError(
+                "rollout.env=tools needs rollout.tools, e.g. [calculator, python, 'module:function']"
+            )
 
     # the choices are the algo tables themselves: a variant added there is accepted here
     from grpokit.algo.advantages import ESTIMATORS, SCALES

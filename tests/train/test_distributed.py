@@ -36,12 +36,14 @@ COMMON = [
 ]
 
 
-def launch(out: Path, *args: str, nproc: int = 2, resume: Path | None = None) -> subprocess.CompletedProcess:
-    """``grpokit train --config demo`` under torchrun (nproc >= 2) or in one plain process."""
+def launch(
+    out: Path, *args: str, nproc: int = 2, resume: Path | None = None, config: str = "demo"
+) -> subprocess.CompletedProcess:
+    """``grpokit train --config CONFIG`` under torchrun (nproc >= 2) or in one plain process."""
     head = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]
     head = head if nproc > 1 else [sys.executable]
     cmd = [*head, "-m", "grpokit", "train"]
-    cmd += ["--resume", str(resume)] if resume else ["--config", "demo", "--output-dir", str(out)]
+    cmd += ["--resume", str(resume)] if resume else ["--config", config, "--output-dir", str(out)]
     for a in [] if resume else [*COMMON, *args]:
         cmd += ["--set", a]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -118,6 +120,36 @@ def test_ddp_resume_equals_uninterrupted(ddp, tmp_path):
     run = resumed_copy(ddp, tmp_path / "run", step=2)
     launch(run, resume=run)
     assert metrics(run) == metrics(ddp)
+
+
+def test_ddp_episodes_with_tools_equal_one_process(tmp_path):
+    """The calculator demo's episodes (tool calls answered in each rank's own worker pool): two ranks
+    sample the same episodes as one process and take the same update."""
+    args = (
+        "train.prompts_per_step=4",
+        "rollout.group_size=4",
+        "train.max_steps=2",
+        "train.eval_max_prompts=8",
+    )
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch(one, *args, nproc=1, config="demo-calculator")
+    launch(two, *args, "distributed.strategy=ddp", config="demo-calculator")
+    a, b = metrics(one), metrics(two)
+    assert [m["step"] for m in b] == [1, 2]
+    assert sum(m["tool_calls_mean"] for m in a) > 0  # the episodes really called the tool
+    for x, y in zip(a, b, strict=True):
+        for key in (
+            "reward_mean",
+            "completion_length_mean",
+            "turns_mean",
+            "tool_calls_mean",
+            "env_tokens_mean",
+        ):
+            assert x[key] == y[key], key
+        for key in ("loss", "kl", "grad_norm", "entropy"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-7), key
+    s1, s2 = (json.loads((r / "summary.json").read_text()) for r in (one, two))
+    assert s2["eval_examples_before"] == s1["eval_examples_before"]
 
 
 def test_torchrun_demo_runs_on_cpu_and_prints_once(tmp_path):

@@ -115,7 +115,7 @@ def test_float32_runs_show_no_mismatch(tmp_path, tiny_dir, sets):
 def perturbed_sampler(monkeypatch, shift: float, every: int = 3):
     """The sampler's recorded log-probs off by ``shift`` on every ``every``-th token (another
     engine's precision); returns the rollouts it produced."""
-    import grpokit.train.trainer as trainer_module
+    import grpokit.rollout.episodes as episodes_module
 
     produced = []
 
@@ -124,10 +124,11 @@ def perturbed_sampler(monkeypatch, shift: float, every: int = 3):
         bump = torch.zeros_like(rollout.sampler_logp)
         bump.view(-1)[::every] = shift
         rollout.sampler_logp = torch.where(rollout.completion_mask, rollout.sampler_logp + bump, 0.0)
-        produced.append(rollout)
+        if rollout.group_size > 1:  # training, not the greedy evaluations (G = 1)
+            produced.append(rollout)
         return rollout
 
-    monkeypatch.setattr(trainer_module, "sample", fake)
+    monkeypatch.setattr(episodes_module, "sample", fake)  # what the trainer's rollout_rows calls
     return produced
 
 
@@ -167,15 +168,17 @@ def test_rollout_correction_weights_reach_the_loss(tmp_path, tiny_dir, monkeypat
 
 
 def test_with_top_k_the_sampler_logprobs_are_pi_old(tmp_path, tiny_dir, monkeypatch):
-    import grpokit.train.trainer as trainer_module
+    import grpokit.rollout.episodes as episodes_module
 
     produced = []
 
     def recording(*args, **kwargs):
-        produced.append(sample(*args, **kwargs))
-        return produced[-1]
+        rollout = sample(*args, **kwargs)
+        if rollout.group_size > 1:  # training, not the greedy evaluations (G = 1)
+            produced.append(rollout)
+        return rollout
 
-    monkeypatch.setattr(trainer_module, "sample", recording)
+    monkeypatch.setattr(episodes_module, "sample", recording)
 
     def spread(prompts, completions, **_):  # differs between completions of the same length
         return [float(sum(map(ord, c)) % 5) for c in completions]

@@ -97,22 +97,29 @@ class TrainBatch:
 
     prompt_ids: list[torch.Tensor]  # [B] unpadded prompt ids of each row (shared within a group)
     completion_ids: torch.Tensor  # [B, T]
-    completion_mask: torch.Tensor  # [B, T] bool: tokens that get a loss
+    completion_mask: torch.Tensor  # [B, T] bool: tokens that get a loss (the model's own)
     advantages: torch.Tensor  # [B]
+    # [B, T] bool: the tokens in the context (the model's and an environment's); None: completion_mask
+    token_mask: torch.Tensor | None = None
 
     @classmethod
     def from_rollout(cls, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor | None = None):
         prompts = [ids[m] for ids, m in zip(rollout.prompt_ids, rollout.prompt_mask, strict=True)]
         rows = [prompts[i // rollout.group_size] for i in range(rollout.num_rows)]
-        mask = rollout.completion_mask if loss_mask is None else loss_mask
-        return cls(rows, rollout.completion_ids, mask, advantages)
+        mask = rollout.trained_mask if loss_mask is None else loss_mask
+        context = None if rollout.model_mask is None and loss_mask is None else rollout.completion_mask
+        return cls(rows, rollout.completion_ids, mask, advantages, context)
 
     @property
     def num_rows(self) -> int:
         return self.completion_ids.shape[0]
 
+    @property
+    def context_mask(self) -> torch.Tensor:  # [B, T] bool: the completion tokens the model sees
+        return self.completion_mask if self.token_mask is None else self.token_mask
+
     def total_lengths(self) -> list[int]:
-        comp = self.completion_mask.sum(dim=1).tolist()
+        comp = self.context_mask.sum(dim=1).tolist()
         return [len(p) + c for p, c in zip(self.prompt_ids, comp, strict=True)]
 
 
@@ -172,9 +179,12 @@ def plan_optimizer_steps(
 
 
 def collate(batch: TrainBatch, rows: list[int], pad_id: int, device: torch.device) -> MicroBatch:
-    comp_mask = batch.completion_mask[rows]
-    width = max(int(comp_mask.sum(dim=1).max()), 1)
-    comp_ids, comp_mask = batch.completion_ids[rows, :width], comp_mask[:, :width]
+    """Left-padded prompts + right-padded completions of ``rows``. Attention and positions follow the
+    context mask (an episode's environment tokens are context); ``completion_mask`` is the loss mask."""
+    context = batch.context_mask[rows]
+    width = max(int(context.sum(dim=1).max()), 1)
+    comp_ids, context = batch.completion_ids[rows, :width], context[:, :width]
+    comp_mask = batch.completion_mask[rows, :width]
     prompts = [batch.prompt_ids[r] for r in rows]
     L = max(len(p) for p in prompts)
     b = len(rows)
@@ -183,8 +193,8 @@ def collate(batch: TrainBatch, rows: list[int], pad_id: int, device: torch.devic
     for j, p in enumerate(prompts):
         input_ids[j, L - len(p) : L] = p
         attn[j, L - len(p) : L] = 1
-    input_ids[:, L:] = torch.where(comp_mask, comp_ids, torch.full_like(comp_ids, pad_id))
-    attn[:, L:] = comp_mask.long()
+    input_ids[:, L:] = torch.where(context, comp_ids, torch.full_like(comp_ids, pad_id))
+    attn[:, L:] = context.long()
     positions = (attn.cumsum(dim=1) - 1).clamp(min=0)
     return MicroBatch(
         torch.tensor(rows),

@@ -18,7 +18,8 @@ import torch
 
 from grpokit.errors import ConfigError
 from grpokit.rewards.registry import WeightedReward, conversational_prompts, reward_columns, score
-from grpokit.rollout.sampler import SamplingParams, sample
+from grpokit.rollout.episodes import EpisodeSpec, episode_columns, rollout_rows
+from grpokit.rollout.sampler import SamplingParams
 
 
 @torch.no_grad()
@@ -34,8 +35,10 @@ def evaluate(
     batch_size: int = 64,
     prompt_column: str = "prompt",
     answer_column: str = "answer",
+    episodes: EpisodeSpec | None = None,
 ) -> dict:
-    """Greedy pass@1 over ``prompts`` (with their dataset ``rows`` as reward columns).
+    """Greedy pass@1 over ``prompts`` (with their dataset ``rows`` as reward columns); with
+    ``episodes``, of multi-turn episodes (the examples then also hold each ``transcript``).
 
     ``prompt_column`` / ``answer_column`` name the dataset columns (the answer reaches the rewards
     as ``answer``, as in training).
@@ -48,19 +51,21 @@ def evaluate(
     totals, verified, examples = [], [], []
     for s in range(0, len(prompts), batch_size):
         chunk_rows, chunk_prompts = rows[s : s + batch_size], prompts[s : s + batch_size]
-        rollout = sample(model, tokenizer, chunk_prompts, 1, params)
-        columns = reward_columns(chunk_rows, 1, prompt_column, answer_column)
+        rollout = rollout_rows(model, tokenizer, chunk_rows, chunk_prompts, 1, params, episodes=episodes)
+        columns = reward_columns(chunk_rows, 1, prompt_column, answer_column) | episode_columns(rollout)
         messages = conversational_prompts(chunk_rows, 1, prompt_column)
         ids = rollout.completion_token_lists()
         scores = score(rewards, chunk_prompts, rollout.completions, columns, ids, messages=messages)
         totals.append(scores.total)
         if scores.verifier is not None:
             verified.append(scores.verifier)
-        for row, p, c, r in zip(
-            chunk_rows, chunk_prompts, rollout.completions, scores.total.tolist(), strict=True
+        for i, (row, p, c, r) in enumerate(
+            zip(chunk_rows, chunk_prompts, rollout.completions, scores.total.tolist(), strict=True)
         ):
             if len(examples) < 5:
                 examples.append({"prompt": p, "completion": c, "reward": r, "answer": row.get(answer_column)})
+                if rollout.episodes is not None:
+                    examples[-1]["transcript"] = rollout.episodes[i].transcript()
     accuracy = float(torch.cat(verified).nanmean()) if verified else None
     return {
         "reward_mean": float(torch.cat(totals).mean()),
@@ -121,6 +126,7 @@ def evaluate_sampled(
     batch_prompts: int = 16,
     prompt_column: str = "prompt",
     answer_column: str = "answer",
+    episodes: EpisodeSpec | None = None,
 ) -> dict:
     """pass@k (unbiased, from n samples per prompt) and maj@k (majority vote over the first k samples,
     answers compared after stripping whitespace), judged by the verifier rewards.
@@ -139,8 +145,10 @@ def evaluate_sampled(
     totals = []
     for s in range(0, len(prompts), batch_prompts):
         chunk_rows, chunk_prompts = rows[s : s + batch_prompts], prompts[s : s + batch_prompts]
-        rollout = sample(model, tokenizer, chunk_prompts, n, params, generator)
-        columns = reward_columns(chunk_rows, n, prompt_column, answer_column)
+        rollout = rollout_rows(
+            model, tokenizer, chunk_rows, chunk_prompts, n, params, generator, episodes=episodes
+        )
+        columns = reward_columns(chunk_rows, n, prompt_column, answer_column) | episode_columns(rollout)
         prompts_n = [p for p in chunk_prompts for _ in range(n)]
         messages = conversational_prompts(chunk_rows, n, prompt_column)
         ids = rollout.completion_token_lists()
@@ -164,7 +172,7 @@ def evaluate_sampled(
 
 
 def evaluate_sharded(
-    model, tokenizer, rows: list[dict], render, rewards: list[WeightedReward], cfg, dist
+    model, tokenizer, rows: list[dict], render, rewards: list[WeightedReward], cfg, dist, episodes=None
 ) -> dict:
     """Greedy evaluation of ``rows`` (prompts built by ``render(row)``) with the run's config ``cfg``;
     under torchrun each rank decodes a contiguous share and the results are combined (rank 0's share
@@ -183,5 +191,6 @@ def evaluate_sharded(
             stop=tuple(cfg.rollout.stop),
             prompt_column=d.prompt_column,
             answer_column=d.answer_column,
+            episodes=episodes,
         )
     return combine_evaluations(dist.all_gather_objects(result)) if dist.enabled else result

@@ -122,6 +122,7 @@ def progress_text(m: dict) -> str:
     parts = [
         fmt("reward_mean", "reward", ".3f"),
         fmt("accuracy", "acc", ".1%"),
+        fmt("tool_call_fraction", "tool calls", ".0%"),
         fmt("kl", "kl", ".4f"),
         fmt("tokens_per_s", "tok/s", ".0f"),
     ]
@@ -164,6 +165,24 @@ def step_metrics(
         "time_scoring_s": t1 - t_sampled,
         "time_training_s": t3 - t1,
         "tokens_per_s": float(lengths.sum()) / max(t3 - t0, 1e-9),
+        **episode_metrics(rollout),
+    }
+
+
+def episode_metrics(rollout: Rollout) -> dict:
+    """Multi-turn runs: model turns, tool calls and failed tool calls per episode (means), the share of
+    episodes with a call, and environment tokens per episode; nothing for single-turn runs."""
+    eps = rollout.episodes
+    if eps is None:
+        return {}
+    n = len(eps)
+    env_tokens = rollout.completion_mask.sum() - rollout.trained_mask.sum()
+    return {
+        "turns_mean": sum(e.num_turns for e in eps) / n,
+        "tool_calls_mean": sum(e.num_tool_calls for e in eps) / n,
+        "tool_call_fraction": sum(e.num_tool_calls > 0 for e in eps) / n,
+        "tool_errors": sum(e.num_tool_errors for e in eps),
+        "env_tokens_mean": float(env_tokens) / n,
     }
 
 
@@ -195,6 +214,7 @@ def sample_rows(
             "step": step,
             "prompt": prompts_B[i],
             "completion": rollout.completions[i],
+            **({} if rollout.episodes is None else rollout.episodes[i].as_dict()),
             "reward": float(scores.total[i]),
             "advantage": float(adv_B[i]),
             "rewards": {k: float(v[i]) for k, v in scores.per_reward.items()},

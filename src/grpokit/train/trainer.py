@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from grpokit.algo import decoupled_advantages, group_advantages
-from grpokit.config import GRPOConfig
+from grpokit.config import GRPOConfig, rollout_env
 from grpokit.data.datasets import RowsSource, build_prompt, build_sources, filter_long_prompts
 from grpokit.diagnostics.hacking import HackingMonitor
 from grpokit.errors import CheckpointError, ConfigError, RunExistsError, TrainingInterrupted
@@ -55,7 +55,8 @@ from grpokit.rewards.registry import (
     reward_columns,
     score,
 )
-from grpokit.rollout.sampler import Rollout, SamplingParams, concat_rollouts, pad_token_id, sample
+from grpokit.rollout.episodes import episode_columns, episodes_from_config, rollout_prompts, rollout_rows
+from grpokit.rollout.sampler import Rollout, SamplingParams, concat_rollouts, pad_token_id
 from grpokit.rollout.vllm_engine import engine_from_config
 from grpokit.train.batch import (
     TrainBatch,
@@ -122,8 +123,9 @@ class GRPOTrainer:
         first_rows = [(self.train_source.row(0), "training data")] + [
             (r, "held-out data") for r in self.eval_rows[:1]
         ]
+        env_columns = {"conversation": None, "env_reward": None} if rollout_env(cfg) else {}
         for row, where in first_rows:
-            check_reward_columns(self.rewards, row, d.prompt_column, d.answer_column, where)
+            check_reward_columns(self.rewards, row | env_columns, d.prompt_column, d.answer_column, where)
         if t.eval_every and not self.eval_rows:
             raise ConfigError("train.eval_every > 0 needs held-out rows: set data.eval_path or a data.task")
         if model is None:
@@ -156,6 +158,7 @@ class GRPOTrainer:
             self._print(f"grpokit: training log-probs use the full logits: {self.learner.fused_head_off}")
         self.generator = torch.Generator(self.device).manual_seed(t.seed)
         self.engine, self._engine_stale = engine_from_config(cfg, tokenizer), True
+        self.episodes = episodes_from_config(cfg, tokenizer, rollout_env(cfg))  # None: single turns
         r = cfg.rollout
         self.sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop))
         self.step, self.rows_consumed = 0, 0
@@ -299,7 +302,7 @@ class GRPOTrainer:
     def _batch(self, rollout: Rollout) -> tuple[TrainBatch, list[list[list[int]]]]:
         loss_mask = None
         if self.cfg.algo.mask_truncated_completions:  # truncated completions get no loss (DAPO)
-            loss_mask = rollout.completion_mask & ~rollout.truncated[:, None]
+            loss_mask = rollout.trained_mask & ~rollout.truncated[:, None]
         batch = TrainBatch.from_rollout(rollout, torch.zeros(rollout.num_rows), loss_mask)
         t = self.cfg.train
         plans = plan_optimizer_steps(
@@ -377,15 +380,18 @@ class GRPOTrainer:
         def draw(score_it: bool):
             t = time.perf_counter()
             rows, prompts = self._next_prompts(cfg.train.prompts_per_step)
-            rollout = self._sample(prompts, P)
-            seconds, prompts_B = time.perf_counter() - t, [p for p in prompts for _ in range(G)]
+            rollout = self._sample(rows, prompts, P)
+            prompts_B = [p for p in prompts for _ in range(G)]
+            if self.episodes is not None:  # the prompts as the environment rendered them
+                prompts_B = rollout_prompts(rollout, self.tokenizer)
+            seconds = time.perf_counter() - t
             if not score_it:
                 return prompts_B, rollout, None, seconds
             scores = score(
                 self.rewards,
                 prompts_B,
                 rollout.completions,
-                reward_columns(rows, G, d.prompt_column, d.answer_column),
+                reward_columns(rows, G, d.prompt_column, d.answer_column) | episode_columns(rollout),
                 rollout.completion_token_lists(),
                 messages=conversational_prompts(rows, G, d.prompt_column),
                 state=self._progress(),
@@ -398,22 +404,16 @@ class GRPOTrainer:
             dist=self.dist, pad_id=self.pad_id,
         )  # fmt: skip
 
-    def _sample(self, prompts: list[str], P: int) -> Rollout:
-        """This rank's G completions per prompt, from the built-in sampler or the vLLM engine."""
+    def _sample(self, rows: list[dict], prompts: list[str], P: int) -> Rollout:
+        """This rank's G completions (or episodes) per prompt, from the built-in sampler or vLLM."""
         G, W, r = self.cfg.rollout.group_size, self.dist.world_size, self.dist.rank
         if self.engine is None:
             with full_parameters(self.model, self.dist):
-                return sample(
-                    self.model,
-                    self.tokenizer,
-                    prompts,
-                    G,
-                    self.sampling,
-                    self.generator,
-                    row_offset=r * P * G,
-                    num_rows_total=W * P * G,
+                return rollout_rows(
+                    self.model, self.tokenizer, rows, prompts, G, self.sampling, self.generator,
+                    episodes=self.episodes, row_offset=r * P * G, num_rows_total=W * P * G,
                     policy_version=self.step - 1,
-                )
+                )  # fmt: skip
         if self._engine_stale:  # push the weights of the last update to vLLM
             self.engine.load_weights(gathered_state_dict(self.model, self.dist).items())
             self._engine_stale = False
@@ -477,7 +477,14 @@ class GRPOTrainer:
         rows = self.eval_rows[: self.cfg.train.eval_max_prompts]
         with full_parameters(self.model, self.dist), mixed_precision(self.device, self.cfg.model.autocast):
             return evaluate_sharded(
-                self.model, self.tokenizer, rows, self._prompt, self.rewards, self.cfg, self.dist
+                self.model,
+                self.tokenizer,
+                rows,
+                self._prompt,
+                self.rewards,
+                self.cfg,
+                self.dist,
+                self.episodes,
             )
 
     def _prepare_run_dir(self) -> None:
