@@ -161,6 +161,40 @@ MUTANTS = [
         "from grpokit.rewards.math import extract_answer, is_hedged",
         ("tests/test_layout.py::test_no_circles_between_rooms",),
     ),
+    Mutant(
+        "environment tokens trained (loss on the tool results)",
+        "src/grpokit/train/batch.py",
+        "mask = rollout.trained_mask if loss_mask is None else loss_mask",
+        "mask = rollout.completion_mask if loss_mask is None else loss_mask",
+        ("tests/train/test_env_training.py::test_environment_tokens_get_no_gradient",),
+    ),
+    Mutant(
+        "observation ids recorded as model tokens",
+        "src/grpokit/rollout/episodes.py",
+        "r.add(delta, False, [0.0] * len(delta))",
+        "r.add(delta, True, [0.0] * len(delta))",
+        (
+            "tests/rollout/test_episodes.py::"
+            "test_environment_tokens_are_masked_and_model_tokens_carry_the_sampler_logprobs",
+        ),
+    ),
+    Mutant(
+        "episode positions count the padding inside observation chunks",
+        "src/grpokit/rollout/episodes.py",
+        "pos_bw = attn_bL.sum(dim=1, keepdim=True) + torch.arange(w, device=device)[None]",
+        "pos_bw = attn_bL.shape[1] + torch.arange(w, device=device)[None].expand(len(feeds), w)",
+        (
+            "tests/rollout/test_episodes.py::"
+            "test_environment_tokens_are_masked_and_model_tokens_carry_the_sampler_logprobs",
+        ),
+    ),
+    Mutant(
+        "max_turns ignored",
+        "src/grpokit/rollout/episodes.py",
+        "if r.num_turns == max_turns:",
+        "if r.num_turns == max_turns + 100:",
+        ("tests/rollout/test_episodes.py::test_max_turns_and_the_token_budget_hold",),
+    ),
 ]
 
 
