@@ -381,8 +381,9 @@ class GRPOTrainer:
             t = time.perf_counter()
             rows, prompts = self._next_prompts(cfg.train.prompts_per_step)
             rollout = self._sample(rows, prompts, P)
-            prompts_B = [p for p in prompts for _ in range(G)]
-            if self.episodes is not None:  # the prompts as the environment rendered them
+            if self.episodes is None:
+                prompts_B = [p for p in prompts for _ in range(G)]
+            else:  # the prompts as the environment rendered them
                 prompts_B = rollout_prompts(rollout, self.tokenizer)
             seconds = time.perf_counter() - t
             if not score_it:
