@@ -60,10 +60,16 @@ def hf_generate(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperat
     return produced
 
 
-def ours(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperature: float = 1.0) -> int:
+def ours(
+    model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperature: float = 1.0, decode: str = "auto"
+) -> int:
     params = SamplingParams(max_new_tokens=n, temperature=temperature)
-    r = sample(model, tok, prompts, G, params, torch.Generator().manual_seed(seed))
+    r = sample(model, tok, prompts, G, params, torch.Generator().manual_seed(seed), decode=decode)
     return int(r.completion_mask.sum())
+
+
+def ours_hf_forward(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperature: float = 1.0) -> int:
+    return ours(model, tok, G, n, seed, prompts, temperature, decode="hf")
 
 
 def smollm2(reps: int) -> None:
@@ -170,25 +176,37 @@ def main() -> None:
         profile(model, tok)
         return
     print(f"shipped tiny model, 4 prompts, torch threads {torch.get_num_threads()}\n")
+    table(model, tok, [(G, n, PROMPTS, 1.0) for G in (8, 16) for n in (64, 256)], a.reps)
+
+
+SIDES = (("own", ours), ("hf_forward", ours_hf_forward), ("generate", hf_generate))
+
+
+def table(model, tok, cases, reps: int, label: str = "") -> None:
+    """One row per (G, max new tokens, prompts, temperature): completion tokens per second of
+    grpokit's own decode path, of grpokit's sampler on the HF forward, and of HF ``generate``,
+    interleaved, median (min-max) of ``reps``; the ratios are against ``generate``."""
     print(
-        "| G | max new tokens | grpokit tok/s (median, min-max) | HF generate tok/s (median, min-max) "
-        "| ratio |"
+        f"| {label}G | max new tokens | grpokit tok/s | grpokit on the HF forward tok/s "
+        "| HF generate tok/s | grpokit / generate | (HF forward) / generate |"
     )
-    print("|---:|---:|---:|---:|---:|")
-    for G in (8, 16):
-        for n in (64, 256):
-            rates = {"ours": [], "hf": []}
-            for rep in range(a.reps):
-                for name, fn in (("ours", ours), ("hf", hf_generate)):
-                    t = time.perf_counter()
-                    produced = fn(model, tok, G, n, rep)
-                    rates[name].append(produced / (time.perf_counter() - t))
-            o, h = rates["ours"], rates["hf"]
-            print(
-                f"| {G} | {n} | {statistics.median(o):.0f} ({min(o):.0f}-{max(o):.0f}) | "
-                f"{statistics.median(h):.0f} ({min(h):.0f}-{max(h):.0f}) | "
-                f"{statistics.median(o) / statistics.median(h):.2f}x |"
-            )
+    print("|" + "---:|" * (7 + bool(label)))
+    for G, n, prompts, temperature in cases:
+        rates: dict[str, list[float]] = {name: [] for name, _ in SIDES}
+        for _name, fn in SIDES:  # warm-up
+            fn(model, tok, G, n, 0, prompts, temperature)
+        for rep in range(reps):
+            for name, fn in SIDES:
+                t = time.perf_counter()
+                produced = fn(model, tok, G, n, rep, prompts, temperature)
+                rates[name].append(produced / (time.perf_counter() - t))
+        med = {name: statistics.median(r) for name, r in rates.items()}
+        cells = [f"{med[k]:.0f} ({min(r):.0f}-{max(r):.0f})" for k, r in rates.items()]
+        print(
+            f"| {label and label + ' | '}{G} | {n} | {' | '.join(cells)} | "
+            f"{med['own'] / med['generate']:.2f}x | {med['hf_forward'] / med['generate']:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -106,6 +106,12 @@ class RolloutConfig:
         "builtin",
         "Generation engine: builtin (KV-cached sampler, any device) | vllm (GPU, needs grpokit[vllm]).",
     )
+    decode: str = _f(
+        "auto",
+        "Built-in sampler's forward: auto (grpokit's own with a preallocated KV cache for Llama, "
+        "Qwen2/3 and Mistral; else, or with LoRA, the model's HF forward, the reason printed once) | "
+        "hf (always HF's).",
+    )
     group_size: int = _f(8, "G: completions sampled per prompt (>= 2).")
     max_new_tokens: int = _f(32, "Longest completion, in tokens; longer ones are truncated.")
     temperature: float = _f(
@@ -462,6 +468,7 @@ def validate(cfg: GRPOConfig) -> None:
 
         _check_choice("data.task", d.task, tuple(TASKS))
     _check_choice("rollout.engine", r.engine, ("builtin", "vllm"))
+    _check_choice("rollout.decode", r.decode, ("auto", "hf"))
     _check(
         "rollout.vllm_gpu_memory_utilization",
         0 < r.vllm_gpu_memory_utilization < 1,

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from grpokit.rollout.decode import OwnDecoder
 from grpokit.rollout.sampler import SamplingParams, encode_prompts, sample
 
 
@@ -151,21 +152,32 @@ def test_layout_masks_truncation_and_stop_strings(peaky):
     assert any("1" in t for t in r.completions)
 
 
-def test_prompt_runs_once_per_group(peaky, monkeypatch):
+@pytest.mark.parametrize("decode", ["hf", "auto"])
+def test_prompt_runs_once_per_group(peaky, monkeypatch, decode):
     model, tok = peaky
     seen = []
-    original = model.forward
+    if decode == "hf":
+        original = model.forward
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs["input_ids"].shape)
-        return original(*args, **kwargs)
+        def spy(*args, **kwargs):
+            seen.append(kwargs["input_ids"].shape)
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", spy)
+        monkeypatch.setattr(model, "forward", spy)
+    else:
+        original = OwnDecoder._forward
+
+        def spy(self, ids, *args, **kwargs):
+            seen.append(ids.shape)
+            return original(self, ids, *args, **kwargs)
+
+        monkeypatch.setattr(OwnDecoder, "_forward", spy)
     sample(
-        model, tok, ["12+34=", "5="], 8, SamplingParams(max_new_tokens=3), torch.Generator().manual_seed(0)
-    )
+        model, tok, ["12+34=", "5="], 8, SamplingParams(max_new_tokens=3, decode=decode),
+        torch.Generator().manual_seed(0),
+    )  # fmt: skip
     assert seen[0] == (2, 6)  # the prompt pass: 2 prompts, not 16 rows
-    assert all(s[1] == 1 for s in seen[1:])  # then one token per step
+    assert len(seen) > 1 and all(s[1] == 1 for s in seen[1:])  # then one token per step
 
 
 def test_a_shard_samples_what_the_whole_batch_samples_for_its_rows(peaky):

@@ -32,17 +32,23 @@ import torch
 
 from grpokit.errors import ConfigError, DataError
 from grpokit.models.loading import accepts_kwarg
+from grpokit.rollout.decode import decoder_for
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy decoding."""
+    """How to sample. ``temperature == 0`` means greedy decoding. ``decode: auto`` runs grpokit's own
+    forward with a preallocated KV cache (``rollout.decode``) for the families it serves (Llama,
+    Qwen2/3, Mistral), else the HF forward; ``hf`` always the HF forward. Both sample the same tokens
+    (tests/rollout/test_decode.py)."""
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     stop: tuple[str, ...] = ()
+    # the built-in sampler's forward: auto (grpokit's own where rollout.decode serves the model) | hf
+    decode: str = "auto"
 
 
 @dataclass
@@ -199,33 +205,41 @@ def sample(
     if not 0 <= row_offset <= total - B:
         raise ValueError(f"rows [{row_offset}, {row_offset + B}) do not fit a batch of {total} rows")
     u_TB = uniforms(params.max_new_tokens, total, row_offset, B, params.temperature, generator, device)
-    logits_bV, cache, attn_bL = prompt_pass(model, prompt_ids, prompt_mask, group_size, device)
+    decoder = decoder_for(model, params.decode, prompt_ids.shape[1] + params.max_new_tokens)
+    logits_bV, state = decoder.prefill(
+        prompt_ids.to(device), prompt_mask.to(device), group_size, prompt_ids.shape[1] + params.max_new_tokens
+    )
 
     out_BT = torch.full((B, params.max_new_tokens), pad, dtype=torch.long)
     logp_BT = torch.zeros((B, params.max_new_tokens), dtype=torch.float32)
     mask_BT = torch.zeros((B, params.max_new_tokens), dtype=torch.bool)
     finished_B = torch.zeros(B, dtype=torch.bool)
-    active = torch.arange(B)  # rows still decoding, as indices into the B rows
+    rows_b = torch.arange(B, device=device)  # the batch's rows, as indices into the B rows
+    live_b = torch.ones(B, dtype=torch.bool, device=device)  # still decoding (finished rows wait to leave)
+    segment = _Segment(0)  # the steps since the batch last changed, written out when it changes
 
     for t in range(params.max_new_tokens):
-        next_b, logp_b = _sample_next(logits_bV, params, u_TB[t, active.to(device)])
-        next_b = next_b.cpu()
-        out_BT[active, t], logp_BT[active, t] = next_b, logp_b.float().cpu()
-        mask_BT[active, t] = True
-        done_b = next_b == eos if eos is not None else torch.zeros_like(next_b, dtype=torch.bool)
+        next_b, logp_b = _sample_next(logits_bV, params, u_TB[t].index_select(0, rows_b))
+        segment.add(next_b, logp_b, live_b)
+        done_b = (next_b == eos) & live_b if eos is not None else torch.zeros_like(live_b)
         if params.stop:
-            done_b |= _hits_stop(tokenizer, out_BT[active, : t + 1], params.stop)
-        finished_B[active[done_b]] = True
-        if t == params.max_new_tokens - 1 or bool(done_b.all()):
+            segment.write(rows_b, out_BT, logp_BT, mask_BT, pad)
+            segment = _Segment(t + 1)
+            live = rows_b[live_b].cpu()
+            done_b[live_b] |= _hits_stop(tokenizer, out_BT[live, : t + 1], params.stop).to(device)
+        finished_B[rows_b[done_b].cpu()] = True
+        live_b = live_b & ~done_b
+        num_live = int(live_b.sum())
+        if t == params.max_new_tokens - 1 or num_live == 0:
             break
-        keep_b = ~done_b
-        if not bool(keep_b.all()):  # drop finished rows from the batch and the cache
-            cache.batch_select_indices(keep_b.nonzero().flatten().to(device))
-            attn_bL = attn_bL[keep_b.to(device)]
-            active, next_b = active[keep_b], next_b[keep_b]
-        attn_bL = torch.cat([attn_bL, attn_bL.new_ones(attn_bL.shape[0], 1)], dim=1)
-        pos_b1 = attn_bL.sum(dim=1, keepdim=True) - 1
-        logits_bV, cache = _step(model, next_b[:, None].to(device), attn_bL, pos_b1, cache)
+        if len(rows_b) - num_live > decoder.keep_finished * len(rows_b):  # drop finished rows
+            segment.write(rows_b, out_BT, logp_BT, mask_BT, pad)
+            segment = _Segment(t + 1)
+            keep_b = live_b.nonzero().flatten()
+            decoder.select(state, keep_b)
+            rows_b, next_b, live_b = rows_b[keep_b], next_b[keep_b], live_b[keep_b]
+        logits_bV = decoder.step(next_b, state)
+    segment.write(rows_b, out_BT, logp_BT, mask_BT, pad)
 
     T = int(mask_BT.sum(dim=1).max())
     out_BT, mask_BT, logp_BT = out_BT[:, :T], mask_BT[:, :T], logp_BT[:, :T]
@@ -237,6 +251,28 @@ def sample(
     return Rollout(
         prompt_ids, prompt_mask, out_BT, mask_BT, ~finished_B, texts, group_size, logp_BT, version_B
     )
+
+
+class _Segment:
+    """Tokens sampled for a fixed batch of rows since step ``start``, kept as per-step tensors and
+    written into the [B, T] outputs in one go when the batch changes (fewer operations per step)."""
+
+    def __init__(self, start: int) -> None:
+        self.start, self.tokens, self.logps, self.lives = start, [], [], []
+
+    def add(self, next_b: torch.Tensor, logp_b: torch.Tensor, live_b: torch.Tensor) -> None:
+        self.tokens.append(next_b)
+        self.logps.append(logp_b)
+        self.lives.append(live_b)
+
+    def write(self, rows_b, out_BT, logp_BT, mask_BT, pad: int) -> None:
+        if not self.tokens:
+            return
+        rows, steps = rows_b.cpu(), slice(self.start, self.start + len(self.tokens))
+        live_bn = torch.stack(self.lives, dim=1).cpu()  # a row's tokens after it finished are not kept
+        out_BT[rows, steps] = torch.stack(self.tokens, dim=1).cpu().masked_fill(~live_bn, pad)
+        logp_BT[rows, steps] = torch.stack(self.logps, dim=1).float().cpu().masked_fill(~live_bn, 0.0)
+        mask_BT[rows, steps] = live_bn
 
 
 def _sample_next(

@@ -36,6 +36,7 @@ def evaluate(
     prompt_column: str = "prompt",
     answer_column: str = "answer",
     episodes: EpisodeSpec | None = None,
+    decode: str = "auto",
 ) -> dict:
     """Greedy pass@1 over ``prompts`` (with their dataset ``rows`` as reward columns); with
     ``episodes``, of multi-turn episodes (the examples then also hold each ``transcript``).
@@ -47,7 +48,7 @@ def evaluate(
     (prompts the verifier scored), "examples"}``; ``examples`` holds the first five prompts with
     their completion, reward and ``answer`` column.
     """
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop, decode=decode)
     totals, verified, examples = [], [], []
     for s in range(0, len(prompts), batch_size):
         chunk_rows, chunk_prompts = rows[s : s + batch_size], prompts[s : s + batch_size]
@@ -192,5 +193,6 @@ def evaluate_sharded(
             prompt_column=d.prompt_column,
             answer_column=d.answer_column,
             episodes=episodes,
+            decode=cfg.rollout.decode,
         )
     return combine_evaluations(dist.all_gather_objects(result)) if dist.enabled else result

@@ -55,6 +55,7 @@ from grpokit.rewards.registry import (
     reward_columns,
     score,
 )
+from grpokit.rollout.decode import own_decoder_reason
 from grpokit.rollout.episodes import episode_columns, episodes_from_config, rollout_prompts, rollout_rows
 from grpokit.rollout.sampler import Rollout, SamplingParams, concat_rollouts, pad_token_id
 from grpokit.rollout.vllm_engine import engine_from_config
@@ -160,7 +161,12 @@ class GRPOTrainer:
         self.engine, self._engine_stale = engine_from_config(cfg, tokenizer), True
         self.episodes = episodes_from_config(cfg, tokenizer, rollout_env(cfg))  # None: single turns
         r = cfg.rollout
-        self.sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop))
+        self.sampling = SamplingParams(
+            r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop), r.decode
+        )
+        longest = None if d.max_prompt_length is None else d.max_prompt_length + r.max_new_tokens
+        if self.engine is None and r.decode == "auto" and (why := own_decoder_reason(model, longest)):
+            self._print(f"grpokit: the sampler runs the model's Hugging Face forward: {why}")
         self.step, self.rows_consumed = 0, 0
         self.monitor = HackingMonitor(cfg.monitor) if cfg.monitor.enabled else None
         self._last_completions: list[str] = []

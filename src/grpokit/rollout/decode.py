@@ -1,0 +1,315 @@
+"""grpokit's own forward for sampling from Llama-family decoders, with a preallocated KV cache.
+
+What it does: for the families in :data:`FAMILIES` (Llama, Qwen2, Qwen3, Mistral: pre-norm RMSNorm
+blocks, rotary positions, grouped-query attention, a SiLU-gated MLP, logits = ``lm_head(norm(h))``)
+:class:`OwnDecoder` runs the model's own weights with a few tensor operations per layer instead
+of the Hugging Face module tree, and keeps the keys and values in one buffer per layer, allocated
+once at the prompt pass for the prompt plus every new token and written in place (no per-step
+``torch.cat``, no cache object, no mask rebuilt per step). Queries of one kv head's group are
+packed into one attention call, so grouped-query attention never repeats the keys. The operations
+and their dtypes are HF's (RMSNorm in float32, rotary from the model's own ``rotary_emb`` -- every
+rope scaling HF implements --, SDPA, the output head called as a module so ``keep_head_float32``
+holds), under autocast too; tests check greedy and same-uniform sampled tokens against the HF path.
+
+:class:`HFDecoder` is the same interface over the model's own forward and cache: every other
+architecture, LoRA adapters, sharded weights, sliding windows the sequence outgrows.
+:func:`decoder_for` picks one; :func:`own_decoder_reason` says why a model cannot use its own path.
+
+What it deliberately does not do: training forwards (the trainer uses the HF model, with autograd),
+multi-turn episodes (``rollout.episodes`` keeps HF's cache across turns), or ``torch.compile``
+(not measured to pay on this CPU for models this size; see docs/benchmarks.md).
+
+Shape legend: P prompts, G group size, b rows being decoded, L prompt length, S keys so far,
+C cache capacity (L + max new tokens), H query heads, K kv heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def own_decoder_reason(model, capacity: int | None = None) -> str | None:
+    """None when :class:`OwnDecoder` can sample from ``model`` (sequences up to ``capacity`` tokens);
+    else the reason it cannot, for the one-line note the trainer prints."""
+    inner = getattr(model, "module", model)  # DDP
+    config = getattr(inner, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        return f"model_type {family!r} is not one of {FAMILIES}"
+    if hasattr(inner, "peft_config") or hasattr(inner, "get_base_model"):
+        return "LoRA adapters (peft) wrap its layers"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"its MLP activation is {getattr(config, 'hidden_act', None)!r}, not silu"
+    for key in ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, key, None) not in (None, 1, 1.0):
+            return f"the model scales or caps its logits ({key}={getattr(config, key)})"
+    window = _sliding_window(config)
+    if window is not None and (capacity is None or capacity > window):
+        return f"sliding-window attention (window {window}) that the sequence may outgrow"
+    base = getattr(inner, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not hasattr(base, "rotary_emb") or not hasattr(base, "embed_tokens"):
+        return "it does not have the model.layers / rotary_emb / embed_tokens layout of its family"
+    linears = [inner.get_output_embeddings()]
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        linears += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+    if any(type(x) is not torch.nn.Linear for x in linears):
+        return "some of its projections are not plain Linear layers (quantized or adapted)"
+    if any(type(p.data) is not torch.Tensor for p in inner.parameters()):
+        return "its weights are sharded (FSDP DTensors)"
+    return None
+
+
+def _sliding_window(config) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias) for F.linear: no module hooks
+
+# Up to this many bytes of weights per call, a layer's q/k/v projections (and gate/up) are
+# concatenated into one matmul each: small models pay per operation, not per flop, and the copy is
+# made once per sampler call. Larger models use the weights as they are (no copy, no extra memory).
+FUSE_BYTES = 64 * 2**20
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: list[Linear]  # [q, k, v], or one Linear giving all three
+    o: Linear
+    gate_up: list[Linear]  # [gate, up], or one Linear giving both
+    down: Linear
+    q_norm: torch.Tensor | None  # Qwen3: RMSNorm over each head's dims
+    k_norm: torch.Tensor | None
+
+
+@dataclass
+class KVState:
+    """The decoding batch: per layer keys / values [b, K, C, D] filled up to ``length``, which key
+    positions are real ([b, C] bool: False at the prompts' left padding), each row's next position."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    key_mask: torch.Tensor
+    positions: torch.Tensor  # [b] long
+    length: int
+
+
+class OwnDecoder:
+    """Prompt pass and one-token steps over a model's weights (see the module docstring)."""
+
+    name = "own"
+    keep_finished = 0.25  # finished rows stay in the batch until they are over this share of it
+
+    def __init__(self, model) -> None:
+        inner = getattr(model, "module", model)
+        config, base = inner.config, inner.model
+        self.H, self.K = config.num_attention_heads, config.num_key_value_heads
+        self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H
+        self.eps = config.rms_norm_eps
+        self.embed = base.embed_tokens.weight
+        self.rotary, self.norm, self.head = base.rotary_emb, base.norm.weight, inner.get_output_embeddings()
+        # dynamic rope rescales with the sequence seen so far: it is asked per step, not tabled
+        rope_type = str(getattr(self.rotary, "rope_type", "default"))
+        self.rope_per_step = "dynamic" in rope_type or "longrope" in rope_type
+        fused = 2 * sum(
+            layer.self_attn.q_proj.weight.nbytes * 2 + layer.mlp.gate_proj.weight.nbytes * 2
+            for layer in base.layers
+        )  # about the bytes of the concatenated copies
+        fuse = fused <= FUSE_BYTES
+        self.layers = []
+        for layer in base.layers:
+            a, m = layer.self_attn, layer.mlp
+            qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+            self.layers.append(
+                _Layer(
+                    layer.input_layernorm.weight,
+                    layer.post_attention_layernorm.weight,
+                    _maybe_fused([a.q_proj, a.k_proj, a.v_proj], fuse),
+                    (a.o_proj.weight, a.o_proj.bias),
+                    _maybe_fused([m.gate_proj, m.up_proj], fuse),
+                    (m.down_proj.weight, m.down_proj.bias),
+                    None if qn is None else qn.weight,
+                    None if kn is None else kn.weight,
+                )
+            )
+        self.cos = self.sin = None  # [C, D] rotary tables, made at the prompt pass
+
+    def prefill(
+        self, ids_PL: torch.Tensor, mask_PL: torch.Tensor, group_size: int, capacity: int
+    ) -> tuple[torch.Tensor, KVState]:
+        """Run each prompt once; return the next-token logits [P*G, V] and a state whose cache holds
+        each prompt's keys G times over, with room for ``capacity`` positions."""
+        P, L = ids_PL.shape
+        device = ids_PL.device
+        if not self.rope_per_step:  # the model's own rotary module, asked once for every position
+            probe = self.embed[:1][None]
+            cos, sin = self.rotary(probe, torch.arange(capacity, device=device)[None])
+            self.cos, self.sin = cos[0], sin[0]
+        positions_PL = (mask_PL.long().cumsum(dim=1) - 1).clamp(min=0)
+        causal_LL = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+        eye_LL = torch.eye(L, dtype=torch.bool, device=device)
+        # a padding query attends to itself only, so no row of the softmax is empty (NaN)
+        attend_P1LL = ((causal_LL & mask_PL[:, None, :]) | eye_LL)[:, None]
+        keys: list = [None] * len(self.layers)
+        values: list = [None] * len(self.layers)
+        hidden_PLd = self._forward(ids_PL, positions_PL, attend_P1LL, keys, values, 0, prefill=True)
+        b = P * group_size
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            keys[i] = k.new_empty((b, self.K, capacity, self.D))
+            values[i] = v.new_empty((b, self.K, capacity, self.D))
+            keys[i][:, :, :L] = k.repeat_interleave(group_size, dim=0)
+            values[i][:, :, :L] = v.repeat_interleave(group_size, dim=0)
+        key_mask = torch.ones((b, capacity), dtype=torch.bool, device=device)
+        key_mask[:, :L] = mask_PL.repeat_interleave(group_size, dim=0)
+        positions_b = mask_PL.sum(dim=1).repeat_interleave(group_size)
+        logits_PV = self._logits(hidden_PLd[:, -1])
+        return logits_PV.repeat_interleave(group_size, dim=0), KVState(keys, values, key_mask, positions_b, L)
+
+    def step(self, ids_b: torch.Tensor, state: KVState) -> torch.Tensor:
+        """Feed one token per row; return the next-token logits [b, V]."""
+        length, capacity = state.length + 1, state.key_mask.shape[1]
+        if length > capacity:
+            raise ValueError(f"the cache holds {capacity} positions; step {length} does not fit")
+        attend_b11S = state.key_mask[:, None, None, :length]
+        hidden_b1d = self._forward(
+            ids_b[:, None], state.positions[:, None], attend_b11S, state.keys, state.values, state.length
+        )
+        state.length, state.positions = length, state.positions + 1
+        return self._logits(hidden_b1d[:, -1])
+
+    def select(self, state: KVState, keep_b: torch.Tensor) -> None:
+        """Keep only rows ``keep_b`` (indices) in the batch."""
+        state.keys = [k.index_select(0, keep_b) for k in state.keys]
+        state.values = [v.index_select(0, keep_b) for v in state.values]
+        state.key_mask, state.positions = state.key_mask[keep_b], state.positions[keep_b]
+
+    def _logits(self, hidden_bd: torch.Tensor) -> torch.Tensor:
+        return self.head(_rms_norm(hidden_bd, self.norm, self.eps))
+
+    def _forward(self, ids, positions, attend, keys, values, start: int, prefill: bool = False):
+        b, Q = ids.shape
+        H, K, D = self.H, self.K, self.D
+        x = F.embedding(ids, self.embed)
+        if self.rope_per_step:
+            cos, sin = self.rotary(x, positions)
+        else:
+            cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = cos[:, None], sin[:, None]  # [b, 1, Q, D]
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.in_norm, self.eps)
+            if len(layer.qkv) == 1:
+                qkv = _linear(layer.qkv[0], h).view(b, Q, H + 2 * K, D)
+                q, k, v = qkv[:, :, :H], qkv[:, :, H : H + K], qkv[:, :, H + K :]
+            else:
+                q, k, v = (_linear(w, h).view(b, Q, -1, D) for w in layer.qkv)
+            if layer.q_norm is not None:
+                q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
+            if len(layer.qkv) == 1 and layer.q_norm is None:  # q and k rotated in one go
+                qk = qkv[:, :, : H + K].transpose(1, 2)
+                qk = qk * cos + _rotate_half(qk) * sin
+                q, k = qk[:, :H], qk[:, H:]
+            else:
+                q, k = q.transpose(1, 2), k.transpose(1, 2)
+                q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            v = v.transpose(1, 2)
+            if prefill:
+                keys[i], values[i] = k, v
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, enable_gqa=H != K)
+            else:
+                keys[i][:, :, start : start + Q] = k
+                values[i][:, :, start : start + Q] = v
+                k_all, v_all = keys[i][:, :, : start + Q], values[i][:, :, : start + Q]
+                # one token per row: the G = H / K query heads of a kv head are one [G, D] query block
+                q = q.reshape(b, K, H // K, D)
+                out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attend)
+            x = x + _linear(layer.o, out.reshape(b, H, Q, D).transpose(1, 2).reshape(b, Q, H * D))
+            h = _rms_norm(x, layer.post_norm, self.eps)
+            if len(layer.gate_up) == 1:
+                gate, up = _linear(layer.gate_up[0], h).chunk(2, dim=-1)
+            else:
+                gate, up = (_linear(w, h) for w in layer.gate_up)
+            x = x + _linear(layer.down, F.silu(gate) * up)
+        return x
+
+
+def _maybe_fused(linears: list[torch.nn.Linear], fuse: bool) -> list[Linear]:
+    """The projections as (weight, bias) pairs, or with ``fuse`` one pair of their concatenation."""
+    pairs = [(x.weight, x.bias) for x in linears]
+    if not fuse:
+        return pairs
+    weight = torch.cat([w for w, _ in pairs])
+    if all(bias is None for _, bias in pairs):
+        return [(weight, None)]
+    bias = torch.cat([bias if bias is not None else w.new_zeros(w.shape[0]) for w, bias in pairs])
+    return [(weight, bias)]
+
+
+def _linear(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, linear[0], linear[1])
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class HFDecoder:
+    """The same interface over the model's own forward and Hugging Face cache (``sampler._step``)."""
+
+    name = "hf"
+    keep_finished = 0.0  # HF's cache copies itself on every step anyway: drop finished rows at once
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def prefill(self, ids_PL, mask_PL, group_size: int, capacity: int):
+        from grpokit.rollout.sampler import prompt_pass
+
+        logits_bV, cache, attn_bL = prompt_pass(self.model, ids_PL, mask_PL, group_size, ids_PL.device)
+        return logits_bV, [cache, attn_bL]
+
+    def step(self, ids_b: torch.Tensor, state: list) -> torch.Tensor:
+        from grpokit.rollout.sampler import _step
+
+        cache, attn_bS = state
+        attn_bS = torch.cat([attn_bS, attn_bS.new_ones(attn_bS.shape[0], 1)], dim=1)
+        pos_b1 = attn_bS.sum(dim=1, keepdim=True) - 1
+        logits_bV, state[0] = _step(self.model, ids_b[:, None], attn_bS, pos_b1, cache)
+        state[1] = attn_bS
+        return logits_bV
+
+    def select(self, state: list, keep_b: torch.Tensor) -> None:
+        state[0].batch_select_indices(keep_b)
+        state[1] = state[1][keep_b]
+
+
+def decoder_for(model, decode: str, capacity: int) -> OwnDecoder | HFDecoder:
+    """``decode``: ``auto`` (grpokit's own path where :func:`own_decoder_reason` allows, else HF's)
+    or ``hf`` (always the model's own forward)."""
+    if decode not in ("auto", "hf"):
+        raise ValueError(f"decode must be 'auto' or 'hf', got {decode!r}")
+    if decode == "auto" and own_decoder_reason(model, capacity) is None:
+        return OwnDecoder(model)
+    return HFDecoder(model)

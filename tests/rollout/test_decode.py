@@ -1,0 +1,173 @@
+"""grpokit's own decode path samples what the Hugging Face forward samples, for every family it serves."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from grpokit.models.loading import keep_head_float32, mixed_precision
+from grpokit.models.tiny import char_tokenizer
+from grpokit.rollout.decode import HFDecoder, OwnDecoder, decoder_for, own_decoder_reason
+from grpokit.rollout.sampler import SamplingParams, encode_prompts, sample
+
+PROMPTS = ["12+34=", "5=", "7*8-1=", "sort:9381="]  # different lengths: left padding differs per row
+SMALL = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=128, initializer_range=0.3,
+)  # fmt: skip
+
+
+def build(family: str, **extra):
+    tok = char_tokenizer()
+    ids = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4, "llama-rope": 5}[family])
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**SMALL, **ids, attention_bias=True, **extra))
+    elif family == "llama-rope":  # a scaled rope: the rotary embedding comes from the model's own module
+        rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}
+        model = LlamaForCausalLM(LlamaConfig(**SMALL, **ids, rope_parameters=rope, **extra))
+    elif family == "qwen2":  # q/k/v biases
+        model = Qwen2ForCausalLM(Qwen2Config(**SMALL, **ids, **extra))
+    elif family == "qwen3":  # per-head q/k RMSNorm
+        model = Qwen3ForCausalLM(Qwen3Config(**SMALL, **ids, **extra))
+    else:  # a sliding window wider than any sequence here
+        model = MistralForCausalLM(MistralConfig(**SMALL, **ids, sliding_window=100, **extra))
+    return model.eval(), tok
+
+
+FAMILIES = ["llama", "llama-rope", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_served_family_takes_the_own_path(family):
+    model, _ = build(family)
+    assert own_decoder_reason(model, capacity=90) is None
+    assert isinstance(decoder_for(model, "auto", 90), OwnDecoder)
+    assert isinstance(decoder_for(model, "hf", 90), HFDecoder)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_and_steps_give_hf_logits(family):
+    model, tok = build(family)
+    ids, mask = encode_prompts(tok, PROMPTS)
+    own, hf = OwnDecoder(model), HFDecoder(model)
+    with torch.no_grad():
+        own_logits, own_state = own.prefill(ids, mask, 3, ids.shape[1] + 6)
+        hf_logits, hf_state = hf.prefill(ids, mask, 3, ids.shape[1] + 6)
+        torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=1e-5)
+        for t in range(6):
+            nxt = hf_logits.argmax(-1)
+            if t == 3:  # rows leave the batch mid-way
+                keep = torch.tensor([0, 2, 3, 5, 7, 8, 11])
+                own.select(own_state, keep)
+                hf.select(hf_state, keep)
+                nxt = nxt[keep]
+            own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
+            torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=24, temperature=0),
+        SamplingParams(max_new_tokens=24, temperature=1.0),
+        SamplingParams(max_new_tokens=24, temperature=0.7, top_k=10, top_p=0.9),
+    ],
+    ids=["greedy", "sampled", "top-k-top-p"],
+)
+def test_own_path_samples_the_hf_tokens(family, params):
+    model, tok = build(family)
+    runs = {
+        mode: sample(model, tok, PROMPTS, 4, replace(params, decode=mode), torch.Generator().manual_seed(7))
+        for mode in ("hf", "auto")
+    }  # fmt: skip
+    hf, own = runs["hf"], runs["auto"]
+    assert torch.equal(own.completion_ids, hf.completion_ids)
+    assert torch.equal(own.completion_mask, hf.completion_mask)
+    assert torch.equal(own.truncated, hf.truncated)
+    torch.testing.assert_close(own.sampler_logp, hf.sampler_logp, rtol=0, atol=1e-5)
+    if params.temperature > 0:  # rows finished at different steps (EOS): the batch was compacted
+        lengths = own.completion_mask.sum(1)
+        assert int(lengths.min()) < int(lengths.max())
+
+
+def test_the_shipped_model_samples_the_same_on_both_paths():
+    from grpokit.models.loading import load_model
+
+    model, tok = load_model("tiny")
+    params = SamplingParams(max_new_tokens=32, temperature=1.0)
+    prompts = ["sort:381927=", "sort:55=", "sort:918273="]
+    hf = sample(model, tok, prompts, 16, replace(params, decode="hf"), torch.Generator().manual_seed(3))
+    own = sample(model, tok, prompts, 16, params, torch.Generator().manual_seed(3))
+    assert own.completions == hf.completions
+    torch.testing.assert_close(own.sampler_logp, hf.sampler_logp, rtol=0, atol=1e-5)
+
+
+def test_under_bfloat16_autocast_the_own_path_follows_hf():
+    # same operations in the same dtypes (RMSNorm in float32, float32 head); SDPA's bfloat16
+    # accumulation may differ between its decode layouts, so compare logits to bfloat16 precision
+    model, tok = build("qwen2")
+    keep_head_float32(model)
+    ids, mask = encode_prompts(tok, PROMPTS)
+    own, hf = OwnDecoder(model), HFDecoder(model)
+    with torch.no_grad(), mixed_precision("cpu", "bfloat16"):
+        own_logits, own_state = own.prefill(ids, mask, 2, ids.shape[1] + 4)
+        hf_logits, hf_state = hf.prefill(ids, mask, 2, ids.shape[1] + 4)
+        assert own_logits.dtype == hf_logits.dtype == torch.float32
+        for _ in range(4):
+            torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=0.05)
+            nxt = hf_logits.argmax(-1)
+            own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
+        torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=0.05)
+
+
+def test_models_the_own_path_cannot_serve_say_why():
+    tok = char_tokenizer()
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2))
+    assert "not one of" in own_decoder_reason(gpt2)
+    assert isinstance(decoder_for(gpt2, "auto", 10), HFDecoder)
+    narrow, _ = build("mistral")
+    narrow.config.sliding_window = 16
+    assert "sliding-window" in own_decoder_reason(narrow, capacity=40)
+    assert own_decoder_reason(narrow, capacity=16) is None
+    gelu, _ = build("llama", hidden_act="gelu")
+    assert "silu" in own_decoder_reason(gelu)
+    with pytest.raises(ValueError, match="'auto' or 'hf'"):
+        decoder_for(gelu, "fast", 10)
+
+
+def test_lora_models_take_the_hf_path():
+    peft = pytest.importorskip("peft")
+    model, _ = build("llama")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert "LoRA" in own_decoder_reason(lora)
+    assert isinstance(decoder_for(lora, "auto", 10), HFDecoder)
+
+
+def test_the_cache_is_never_grown():
+    model, tok = build("llama")
+    ids, mask = encode_prompts(tok, PROMPTS)
+    own = OwnDecoder(model)
+    with torch.no_grad():
+        logits, state = own.prefill(ids, mask, 2, ids.shape[1] + 3)
+        buffers = [k.data_ptr() for k in state.keys]
+        for _ in range(3):
+            logits = own.step(logits.argmax(-1), state)
+        assert [k.data_ptr() for k in state.keys] == buffers  # written in place
+        with pytest.raises(ValueError, match="does not fit"):
+            own.step(logits.argmax(-1), state)
