@@ -195,6 +195,20 @@ MUTANTS = [
         "if r.num_turns == max_turns + 100:",
         ("tests/rollout/test_episodes.py::test_max_turns_and_the_token_budget_hold",),
     ),
+    Mutant(
+        "packed positions not restarting per sequence (sequences attend to each other)",
+        "src/grpokit/train/batch.py",
+        "positions[k, at : at + n] = torch.arange(n)",
+        "positions[k, at : at + n] = torch.arange(at, at + n)",
+        ("tests/train/test_batch.py::test_packed_gradients_equal_padded_gradients",),
+    ),
+    Mutant(
+        "own decode path writing the new key one slot late",
+        "src/grpokit/rollout/decode.py",
+        "keys[i][:, :, start : start + Q] = k",
+        "keys[i][:, :, start + 1 : start + Q + 1] = k[:, :, : keys[i].shape[2] - start - 1]",
+        ("tests/rollout/test_decode.py::test_prefill_and_steps_give_hf_logits",),
+    ),
 ]
 
 

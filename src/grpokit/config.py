@@ -284,6 +284,11 @@ class TrainConfig:
     micro_batch_tokens: int | None = _f(
         None, "Also cap each micro-batch at this many padded tokens (sequences x longest); null: no cap."
     )
+    packing: bool = _f(
+        False,
+        "Padding-free micro-batches: each row's prompt + completion laid end to end, position ids "
+        "restarting per sequence (Llama, Qwen2/3, Mistral; others pad, the reason printed once).",
+    )
     mu: int = _f(1, "Inner epochs over each batch (optimizer steps per generation step), pi_old fixed.")
     steps_per_generation: int = _f(
         1, "Optimizer steps per inner epoch: the batch is split into this many parts."

@@ -143,3 +143,72 @@ def test_models_outside_the_whitelist_keep_the_logits_path():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=16))
     assert "model_type 'gpt2' is not one of" in fused_head_reason(gpt2)
+
+
+@pytest.fixture()
+def uneven64(batch64):
+    """batch64 with completions cut to uneven lengths (1-7 tokens): short rows share a bin."""
+    model, tok, batch = batch64
+    keep = torch.tensor([7, 1, 2, 6, 1, 7, 3, 1, 7, 2, 5, 1])[:, None]
+    mask = batch.completion_mask & (torch.arange(batch.completion_ids.shape[1]) < keep)
+    return model, tok, TrainBatch(batch.prompt_ids, batch.completion_ids, mask, batch.advantages)
+
+
+def test_packed_layout_holds_every_sequence_once_without_padding(uneven64):
+    _, tok, batch = uneven64
+    rows = [0, 5, 9, 2, 7]
+    mb = collate(batch, rows, tok.pad_token_id, torch.device("cpu"), packed=True)
+    lengths = [len(batch.prompt_ids[r]) + int(batch.context_mask[r].sum()) for r in rows]
+    N = max(lengths)
+    assert mb.attention_mask is None and mb.input_ids.shape[1] == N
+    assert mb.input_ids.shape[0] < len(rows)  # some bins hold several sequences
+    starts = (mb.position_ids == 0).sum()
+    assert int(starts) >= len(rows)  # every sequence restarts its positions (tails count too)
+    flat_ids = mb.input_ids.flatten()
+    for j, r in enumerate(rows):
+        n = int(batch.context_mask[r].sum())
+        # the position that predicts completion token t holds the token before it
+        before = torch.cat([batch.prompt_ids[r][-1:], batch.completion_ids[r, : n - 1]])
+        assert torch.equal(flat_ids[mb.gather[j, :n]], before)
+
+
+@pytest.mark.parametrize("aggregation", AGGS)
+@pytest.mark.parametrize("fused_head", [False, True])
+def test_packed_gradients_equal_padded_gradients(uneven64, aggregation, fused_head):
+    # float64, every parameter: the packed micro-batches (sequences end to end, position ids
+    # restarting, the model's packed-sequence mask) give the padded plan's loss, metrics and gradient
+    from grpokit.models.loading import packing_reason
+
+    model, _, batch = uneven64
+    assert packing_reason(model) is None
+    B = batch.num_rows
+    old = batch_logprobs(model, batch, [list(range(B))], 0, 0.9) - 0.05
+    packed_old = batch_logprobs(model, batch, [list(range(B))], 0, 0.9, packed=True) - 0.05
+    mask = batch.completion_mask
+    torch.testing.assert_close(packed_old[mask], old[mask], rtol=0, atol=1e-12)
+    kw = dict(
+        loss=LossSpec(beta=0.1, aggregation=aggregation, max_completion_length=7),
+        old_logp=old, ref_logp=old + 0.1, temperature=0.9, fused_head=fused_head,
+    )  # fmt: skip
+    results = {}
+    for packed, plan in [(False, [list(range(B))]), (True, plan_micro_batches(batch.total_lengths(), 5)),
+                         (True, [list(range(B))])]:  # fmt: skip
+        model.zero_grad(set_to_none=True)
+        stats = accumulate_policy_gradient(model, batch, plan, 0, packed=packed, **kw)
+        results[(packed, len(plan))] = (stats, [p.grad.clone() for p in model.parameters()])
+    (want, want_grads), *others = results.values()
+    for stats, grads in others:
+        assert stats.loss == pytest.approx(want.loss, rel=1e-10)
+        assert stats.kl == pytest.approx(want.kl, rel=1e-10)
+        assert stats.entropy == pytest.approx(want.entropy, rel=1e-6)  # a float32 metric
+        for a, b in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_packing_needs_a_family_whose_mask_builder_detects_packed_sequences():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from grpokit.models.loading import packing_reason
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2))
+    assert "not one of" in packing_reason(gpt2)

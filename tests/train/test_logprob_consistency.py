@@ -1,6 +1,7 @@
 """The sampler's per-token log-probs equal the trainer's recomputation (float32, any micro-batch
-split), top-k / top-p log-probs are the renormalised ones and serve as pi_old, and the trainer's
-always-on mismatch metrics and rollout corrections see exactly what the sampler recorded."""
+split, padded or packed), top-k / top-p log-probs are the renormalised ones and serve as pi_old,
+and the trainer's always-on mismatch metrics and rollout corrections see exactly what the sampler
+recorded."""
 
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ def rollout_of(model, tok, params, seed=0):
     return sample(model, tok, PROMPTS, 4, params, torch.Generator().manual_seed(seed), policy_version=3)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize(("max_rows", "max_tokens"), [(1, None), (3, None), (16, None), (5, 40)])
-def test_sampler_logprobs_equal_the_trainers_recomputation(peaky, temperature, max_rows, max_tokens):
+def test_sampler_logprobs_equal_the_trainers_recomputation(peaky, temperature, max_rows, max_tokens, packed):
+    # the sampler (grpokit's own decode path) vs the trainer's padded or packed HF forward
     model, tok = peaky
     rollout = rollout_of(model, tok, SamplingParams(max_new_tokens=8, temperature=temperature))
     batch = TrainBatch.from_rollout(rollout, torch.zeros(rollout.num_rows))
     plan = plan_micro_batches(batch.total_lengths(), max_rows, max_tokens)
-    recomputed = batch_logprobs(model, batch, plan, 0, temperature)
+    recomputed = batch_logprobs(model, batch, plan, 0, temperature, packed=packed)
     m = rollout.completion_mask
     assert recomputed.dtype == torch.float32 and rollout.sampler_logp.dtype == torch.float32
     assert (recomputed[m] - rollout.sampler_logp[m]).abs().max() < 1e-5
@@ -104,9 +107,14 @@ def metrics(tmp_path, name):
     return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("sets", [{}, {"train.mu": 2}, {"train.steps_per_generation": 2}])
+@pytest.mark.parametrize(
+    "sets",
+    [{}, {"train.mu": 2}, {"train.steps_per_generation": 2}, {"train.packing": True, "train.mu": 2}],
+)
 def test_float32_runs_show_no_mismatch(tmp_path, tiny_dir, sets):
-    GRPOTrainer(config(tmp_path, tiny_dir, "run", **sets), rewards=[varied]).train()
+    trainer = GRPOTrainer(config(tmp_path, tiny_dir, "run", **sets), rewards=[varied])
+    assert trainer.learner.packed == bool(sets.get("train.packing"))
+    trainer.train()
     for row in metrics(tmp_path, "run"):
         if not row["optimizer_step_skipped"] or sets:  # a skipped mu=1 step recomputes nothing
             assert row["logprob_mismatch"] < 1e-5 and row["logprob_ratio_outside"] == 0.0

@@ -202,6 +202,22 @@ def fused_head_reason(model) -> str | None:
     return None
 
 
+def packing_reason(model) -> str | None:
+    """None when the trainer may pack micro-batches without padding (``train.packing``): the model's
+    family builds its attention mask with transformers' packed-sequence detection (attention mask
+    None, position ids restarting at 0 per sequence); else why not."""
+    inner = getattr(model, "module", model)  # DDP
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+    family = getattr(getattr(inner, "config", None), "model_type", None)
+    if family not in FUSED_HEAD_FAMILIES:
+        return f"model_type {family!r} is not one of {FUSED_HEAD_FAMILIES}"
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return "this transformers version does not detect packed sequences from position ids"
+    return None
+
+
 class head_returns_hidden:
     """Within this context the model's output head returns its input: the model's ``logits`` are the
     last hidden states, for :func:`grpokit.algo.hidden_token_logprobs` to project block by block."""

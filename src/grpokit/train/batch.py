@@ -3,7 +3,11 @@
 What it does:
 - ``plan_micro_batches`` groups rows of similar length (longest first) under a row cap and an
   optional padded-token budget, so padding costs little;
-- ``collate`` lays one micro-batch out as ``[left pad | prompt | completion | right pad]``;
+- ``collate`` lays one micro-batch out as ``[left pad | prompt | completion | right pad]``, or with
+  ``packed`` (``train.packing``) padding-free: the rows' ``[prompt | completion]`` end to end in
+  bins no longer than its longest row, positions restarting at 0 per sequence, no attention mask:
+  the model's own mask builder (transformers' packed-sequence detection) then keeps every sequence
+  to itself; packed gradients equal padded ones (tested in float64);
 - ``completion_logprobs`` runs the model and returns the completion tokens' log-probs at the
   sampling temperature (logits only for completion positions; ``algo.token_logprobs``);
 - ``accumulate_policy_gradient`` runs forward/backward over the plan with the loss normalised by
@@ -126,12 +130,14 @@ class TrainBatch:
 @dataclass
 class MicroBatch:
     rows: torch.Tensor  # [b] indices into the TrainBatch
-    input_ids: torch.Tensor  # [b, L + T']
-    attention_mask: torch.Tensor  # [b, L + T']
-    position_ids: torch.Tensor  # [b, L + T']
+    input_ids: torch.Tensor  # [b, L + T'] (packed: [bins, N])
+    attention_mask: torch.Tensor | None  # [b, L + T']; packed: None (positions delimit sequences)
+    position_ids: torch.Tensor  # [b, L + T'] (packed: [bins, N], 0 at each sequence's start)
     prompt_width: int  # L
     completion_ids: torch.Tensor  # [b, T'] (T' = longest completion in this micro-batch)
     completion_mask: torch.Tensor  # [b, T'] bool
+    # packed: [b, T'] where in the flattened [bins * N] positions completion token t is predicted
+    gather: torch.Tensor | None = None
 
 
 def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int | None = None) -> list[list[int]]:
@@ -178,9 +184,14 @@ def plan_optimizer_steps(
     return plans
 
 
-def collate(batch: TrainBatch, rows: list[int], pad_id: int, device: torch.device) -> MicroBatch:
+def collate(
+    batch: TrainBatch, rows: list[int], pad_id: int, device: torch.device, packed: bool = False
+) -> MicroBatch:
     """Left-padded prompts + right-padded completions of ``rows``. Attention and positions follow the
-    context mask (an episode's environment tokens are context); ``completion_mask`` is the loss mask."""
+    context mask (an episode's environment tokens are context); ``completion_mask`` is the loss mask.
+    ``packed``: padding-free (:func:`collate_packed`)."""
+    if packed:
+        return collate_packed(batch, rows, pad_id, device)
     context = batch.context_mask[rows]
     width = max(int(context.sum(dim=1).max()), 1)
     comp_ids, context = batch.completion_ids[rows, :width], context[:, :width]
@@ -207,6 +218,52 @@ def collate(batch: TrainBatch, rows: list[int], pad_id: int, device: torch.devic
     )
 
 
+def collate_packed(batch: TrainBatch, rows: list[int], pad_id: int, device: torch.device) -> MicroBatch:
+    """``rows`` without padding: each row's ``[prompt | completion]`` laid end to end in bins of the
+    longest row's length (first fit, longest first), position ids restarting at 0 for every sequence
+    and counting up through the bin's unused tail (a sequence of its own, after every real token, so
+    never attended). ``gather`` maps each completion token to the position that predicts it."""
+    context = batch.context_mask[rows]
+    lengths = context.sum(dim=1)
+    width = max(int(lengths.max()), 1)
+    if not bool((context[:, :width] == (torch.arange(width) < lengths[:, None])).all()):
+        raise ValueError("packing needs each row's context tokens to be a prefix of its completion")
+    comp_ids, comp_mask = batch.completion_ids[rows, :width], batch.completion_mask[rows, :width]
+    seqs = [torch.cat([batch.prompt_ids[r], comp_ids[j, : int(lengths[j])]]) for j, r in enumerate(rows)]
+    N = max(len(s) for s in seqs)
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for j in sorted(range(len(seqs)), key=lambda j: (-len(seqs[j]), j)):
+        k = next((k for k, u in enumerate(used) if u + len(seqs[j]) <= N), len(bins))
+        if k == len(bins):
+            bins.append([])
+            used.append(0)
+        bins[k].append(j)
+        used[k] += len(seqs[j])
+    input_ids = torch.full((len(bins), N), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(bins), N), dtype=torch.long)
+    gather = torch.zeros((len(rows), width), dtype=torch.long)  # beyond a row's length: masked anyway
+    for k, members in enumerate(bins):
+        at = 0
+        for j in members:
+            n, P = len(seqs[j]), len(batch.prompt_ids[rows[j]])
+            input_ids[k, at : at + n] = seqs[j]
+            positions[k, at : at + n] = torch.arange(n)
+            gather[j, : n - P] = k * N + at + P - 1 + torch.arange(n - P)  # the logits before token t
+            at += n
+        positions[k, at:] = torch.arange(N - at)
+    return MicroBatch(
+        torch.tensor(rows),
+        input_ids.to(device),
+        None,
+        positions.to(device),
+        0,
+        comp_ids.to(device),
+        comp_mask.to(device),
+        gather.to(device),
+    )
+
+
 def completion_logprobs(
     model, mb: MicroBatch, temperature: float, with_entropy: bool = False, fused_head: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -220,6 +277,8 @@ def completion_logprobs(
     """
     T = mb.completion_ids.shape[1]
     kw = {"logits_to_keep": T + 1} if accepts_kwarg(model, "logits_to_keep") else {}
+    if mb.gather is not None:  # packed: every position's output, then each completion token's own
+        kw = {}
     with head_returns_hidden(model) if fused_head else contextlib.nullcontext() as head:
         out = model(
             input_ids=mb.input_ids,
@@ -228,7 +287,12 @@ def completion_logprobs(
             use_cache=False,
             **kw,
         ).logits
-    out_bT = out[:, :T] if kw else out[:, mb.prompt_width - 1 : mb.prompt_width - 1 + T]
+    if mb.gather is not None:
+        out_bT = out.flatten(0, 1)[mb.gather]
+    elif kw:
+        out_bT = out[:, :T]
+    else:
+        out_bT = out[:, mb.prompt_width - 1 : mb.prompt_width - 1 + T]
     if not fused_head:
         logp = token_logprobs(out_bT, mb.completion_ids, temperature=temperature)
         entropy = token_entropy(out_bT.detach(), temperature=temperature) if with_entropy else None
@@ -254,12 +318,13 @@ def batch_logprobs(
     temperature: float,
     dist: Dist | None = None,
     fused_head: bool = False,
+    packed: bool = False,
 ) -> torch.Tensor:
     """``[B, T]`` log-probs of every completion token under ``model`` (for pi_old and pi_ref), no grad."""
     param = next(model.parameters())
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.promote_types(param.dtype, torch.float32))
     for rows in (dist or Dist()).pad_plan(plan):
-        mb = collate(batch, rows or [0], pad_id, param.device)
+        mb = collate(batch, rows or [0], pad_id, param.device, packed)
         logp, _ = completion_logprobs(model, mb, temperature, fused_head=fused_head)
         if rows:  # an empty micro-batch only keeps the ranks' forward passes in step
             out[rows, : logp.shape[1]] = logp.cpu()
@@ -282,6 +347,7 @@ def accumulate_policy_gradient(
     dump_path: Path | None = None,
     dist: Dist | None = None,
     fused_head: bool = False,
+    packed: bool = False,
 ) -> UpdateStats:
     """Forward + backward over every micro-batch of ``plan``; gradients accumulate in ``.grad``.
 
@@ -303,6 +369,7 @@ def accumulate_policy_gradient(
             returned ``mismatch_*`` fields. None: not measured here.
         dump_path: write the first micro-batch's inputs and loss here (``train.dump_tensors``).
         fused_head: log-probs from hidden states and the head (:func:`completion_logprobs`).
+        packed: padding-free micro-batches (:func:`collate_packed`, ``train.packing``).
         dist: under torchrun, ``model`` is the DDP / FSDP module: counts and metrics are summed over
             ranks, gradients are synchronised once (in the last micro-batch's backward), and the
             loss is scaled by the world size because DDP and FSDP average gradients over ranks.
@@ -329,7 +396,7 @@ def accumulate_policy_gradient(
             stats = _micro_batch_backward(
                 model, batch, rows, pad_id, temperature, loss, counts, old_logp, ref_logp,
                 entropy_top_q, is_weights, mismatch_logp, dump_path if k == 0 else None, d.world_size,
-                fused_head,
+                fused_head, packed,
             )  # fmt: skip
         if stats is None:
             continue
@@ -354,14 +421,14 @@ def accumulate_policy_gradient(
 
 def _micro_batch_backward(
     model, batch, rows, pad_id, temperature, spec, counts, old_logp, ref_logp, entropy_top_q,
-    is_weights, mismatch_logp, dump_path, world_size, fused_head,
+    is_weights, mismatch_logp, dump_path, world_size, fused_head, packed,
 ) -> dict | None:  # fmt: skip
     """Forward + backward of one micro-batch; its metrics, or None when it has no tokens. An empty
     ``rows`` runs a stand-in row with its loss multiplied by 0 (the ranks' passes stay in step)."""
     device = next(model.parameters()).device
     dummy = not rows
     rows = rows or [0]
-    mb = collate(batch, rows, pad_id, device)
+    mb = collate(batch, rows, pad_id, device, packed)
     logp, entropy = completion_logprobs(model, mb, temperature, with_entropy=True, fused_head=fused_head)
     T = logp.shape[1]
     old = logp.detach() if old_logp is None else old_logp[rows, :T].to(device)

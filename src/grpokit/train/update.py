@@ -27,7 +27,7 @@ import torch
 
 from grpokit.algo import LossSpec, kl_shaped_rewards
 from grpokit.algo.correction import correction_weights, mismatch_stats
-from grpokit.models.loading import fused_head_reason, reference_copy
+from grpokit.models.loading import fused_head_reason, packing_reason, reference_copy
 from grpokit.rollout.sampler import Rollout
 from grpokit.train.batch import TrainBatch, UpdateStats, accumulate_policy_gradient, batch_logprobs
 from grpokit.train.distributed import Dist, shard, wrap
@@ -56,6 +56,9 @@ class Learner:
             fused_head_reason(model) if cfg.model.fused_logprobs else "model.fused_logprobs is off"
         )
         self.fused_head = self.fused_head_off is None
+        # padding-free micro-batches where the model's mask builder keeps packed sequences apart
+        self.packing_off = packing_reason(model) if cfg.train.packing else "train.packing is off"
+        self.packed = self.packing_off is None
 
     def logprobs(self, batch: TrainBatch, plans: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """pi_ref's log-probs (when a reference is loaded) and pi_old's, which are needed only when
@@ -65,18 +68,18 @@ class Learner:
         ref_logp = None
         if self.ref_model is not None:
             ref_logp = batch_logprobs(
-                self.ref_model, batch, plan, self.pad_id, tau, self.dist, self.fused_head
+                self.ref_model, batch, plan, self.pad_id, tau, self.dist, self.fused_head, self.packed
             )
         elif self.adapter_ref:
             with self.model.disable_adapter():
                 ref_logp = batch_logprobs(
-                    self.model, batch, plan, self.pad_id, tau, self.dist, self.fused_head
+                    self.model, batch, plan, self.pad_id, tau, self.dist, self.fused_head, self.packed
                 )
         t, a = cfg.train, cfg.algo
         needs_old = t.mu > 1 or t.steps_per_generation > 1 or a.kl_placement == "reward"
         needs_old = needs_old or a.rollout_correction is not None
         old_logp = (
-            batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist, self.fused_head)
+            batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist, self.fused_head, self.packed)
             if needs_old
             else None
         )
@@ -168,6 +171,7 @@ class Learner:
                     dump_path=dump if epoch == 0 and k == 0 else None,
                     dist=self.dist,
                     fused_head=self.fused_head,
+                    packed=self.packed,
                 )
                 self.train_module.eval()
                 norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or math.inf)
