@@ -99,7 +99,9 @@ def load_tokenizer(model_dir: Path):
     return tok
 
 
-def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path, setup: str, gc: bool) -> dict:
+def run_grpokit(
+    model_dir: Path, data: Path, steps: int, out: Path, setup: str, gc: bool, sets: tuple[str, ...] = ()
+) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -133,6 +135,7 @@ def run_grpokit(model_dir: Path, data: Path, steps: int, out: Path, setup: str, 
             "train.quiet=true",
             "logging.report=false",
             f"train.output_dir={json.dumps(str(out))}",
+            *sets,
         ],
     )
     stamps: list[float] = []
@@ -329,14 +332,17 @@ def main() -> None:
     )
     ap.add_argument("--only", choices=["grpokit", "trl"], help="run one side only (its row alone)")
     ap.add_argument("--profile", action="store_true", help="sample both children with py-spy")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="extra grpokit config override"
+    )
     ap.add_argument("--child", choices=["grpokit", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        fn = run_grpokit if a.child == "grpokit" else run_trl
-        result = fn(Path(a.model_dir), Path(a.data), a.steps, Path(a.out), a.model, a.gradient_checkpointing)
+        args = (Path(a.model_dir), Path(a.data), a.steps, Path(a.out), a.model, a.gradient_checkpointing)
+        result = run_grpokit(*args, tuple(a.set)) if a.child == "grpokit" else run_trl(*args)
         print("RESULT " + json.dumps(result))
         return
 
@@ -356,6 +362,7 @@ def main() -> None:
             continue
         cmd += ["--data", str(data)] + (["--gradient-checkpointing"] if a.gradient_checkpointing else [])
         cmd += ["--steps", str(a.steps), "--out", str(work / f"run-{name}")]
+        cmd += [f"--set={x}" for x in a.set] if name == "grpokit" else []
         stacks = work / f"py-spy-{name}.txt"
         if a.profile:
             cmd = ["py-spy", "record", "-r", "100", "-f", "raw", "-o", str(stacks), "--", *cmd]

@@ -171,3 +171,41 @@ def test_the_cache_is_never_grown():
         assert [k.data_ptr() for k in state.keys] == buffers  # written in place
         with pytest.raises(ValueError, match="does not fit"):
             own.step(logits.argmax(-1), state)
+
+
+@pytest.mark.parametrize("decode", ["auto", "hf"])
+def test_the_trainer_samples_on_the_path_rollout_decode_names(tmp_path, tiny_dir, monkeypatch, decode):
+    import grpokit.rollout.sampler as sampler_module
+    from grpokit.config import load_config
+    from grpokit.train.trainer import GRPOTrainer
+    from tests.helpers import varied
+
+    used = []
+
+    def spy(model, mode, capacity):
+        used.append(decoder_for(model, mode, capacity).name)
+        return decoder_for(model, mode, capacity)
+
+    monkeypatch.setattr(sampler_module, "decoder_for", spy)
+    sets = {
+        "model.name_or_path": str(tiny_dir), "train.output_dir": str(tmp_path / "run"),
+        "train.quiet": True, "train.max_steps": 1, "train.prompts_per_step": 2, "rollout.group_size": 2,
+        "rollout.max_new_tokens": 4, "train.eval_max_prompts": 2, "rollout.decode": decode,
+    }  # fmt: skip
+    cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
+    GRPOTrainer(cfg, rewards=[varied]).train()
+    assert used and set(used) == {"own" if decode == "auto" else "hf"}  # training and evaluation
+
+
+def test_the_trainer_says_once_why_a_model_takes_the_hf_path(tmp_path, capsys):
+    from grpokit.config import load_config
+    from grpokit.train.trainer import GRPOTrainer
+    from tests.helpers import varied
+
+    tok = char_tokenizer()
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, n_positions=64))
+    sets = {"train.output_dir": str(tmp_path / "run"), "train.max_steps": 1, "train.quiet": True}
+    GRPOTrainer(load_config(None, [f"{k}={v}" for k, v in sets.items()]), model=gpt2, tokenizer=tok,
+                rewards=[varied])  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.count("the sampler runs the model's Hugging Face forward: model_type 'gpt2'") == 1
