@@ -94,6 +94,38 @@ def test_hidden_token_logprobs_value_and_grads(with_bias, block_tokens):
         torch.testing.assert_close(x.grad, y.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_tokens", [1, 5, None])
+def test_hidden_token_logprobs_mask_and_entropy(block_tokens):
+    # masked-out tokens are never projected: log-prob and entropy 0, no gradient; the kept ones equal
+    # the float64 naive expression, and so does the entropy returned from the same blocks
+    g = torch.Generator().manual_seed(13)
+    B, T, H, V = 3, 7, 6, 17
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)[:, 1:]  # non-contiguous [3, 6, 6]
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V, (B, T - 1), generator=g)
+    mask = torch.rand(B, T - 1, generator=g) < 0.6
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logp, ent = hidden_token_logprobs(
+        h, w, ids, temperature=0.7, mask=mask, return_entropy=True, block_tokens=block_tokens
+    )
+    z = (hidden @ weight.t()) / 0.7
+    want = torch.log_softmax(z, -1).gather(-1, ids[..., None]).squeeze(-1)
+    p = torch.softmax(z, -1)
+    want_ent = -(p * torch.log_softmax(z, -1)).sum(-1)
+    torch.testing.assert_close(logp, torch.where(mask, want, 0.0), atol=1e-12, rtol=0)
+    torch.testing.assert_close(ent, torch.where(mask, want_ent, 0.0), atol=1e-12, rtol=0)
+    assert not ent.requires_grad
+    logp.sum().backward()
+    assert bool((h.grad[~mask] == 0).all()) and bool((h.grad[mask] != 0).all())
+    hr, wr = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ref_lp = torch.log_softmax((hr @ wr.t()) / 0.7, -1).gather(-1, ids[..., None]).squeeze(-1)
+    ref_lp[mask].sum().backward()
+    torch.testing.assert_close(h.grad, hr.grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="mask must be a bool"):
+        hidden_token_logprobs(h, w, ids, mask=mask.long())
+
+
 def test_hidden_gradcheck_float64():
     g = torch.Generator().manual_seed(12)
     hidden = torch.randn(1, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)

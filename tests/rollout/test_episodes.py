@@ -88,8 +88,13 @@ def test_plain_format_stream_is_the_concatenated_conversation(chatml):
         assert tok(text.replace("<eos>", ""))["input_ids"] == [i for i in ids if i != tok.eos_token_id]
 
 
-def test_environment_tokens_are_masked_and_model_tokens_carry_the_sampler_logprobs(chatml):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_environment_tokens_are_masked_and_model_tokens_carry_the_sampler_logprobs(chatml, dtype):
+    # float64: the same function of the same tokens and positions, to the float32 the rollout stores;
+    # float32: the rounding of a cached step per token vs one forward (up to 3.6e-5 on AVX-512)
     model, tok = chatml
+    model = model if dtype == torch.float32 else nudged_model(tok, {"<|im_end|>": 4.0, "q": 3.0}).double()
+    tol = 1e-6 if dtype == torch.float64 else 5e-5
     r = episodes(model, tok)
     checked = 0
     for b, e in enumerate(r.episodes):
@@ -104,11 +109,11 @@ def test_environment_tokens_are_masked_and_model_tokens_carry_the_sampler_logpro
         # the whole stream in one plain forward: the same log-probs as the sampler's cached, chunked decode
         ids = torch.tensor(stream_ids(r, b))
         with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids[None]).logits[0].float(), dim=-1)
+            logp = torch.log_softmax(model(input_ids=ids[None]).logits[0].to(dtype), dim=-1)
         L = len(ids) - int(r.completion_mask[b].sum())
         for t in range(int(r.completion_mask[b].sum())):
             if r.model_mask[b, t]:
-                assert abs(float(logp[L + t - 1, ids[L + t]]) - float(r.sampler_logp[b, t])) < 1e-5
+                assert abs(float(logp[L + t - 1, ids[L + t]]) - float(r.sampler_logp[b, t])) < tol
                 checked += 1
     assert checked > 50
     assert r.trained_mask.sum() < r.completion_mask.sum()  # there were environment tokens

@@ -62,12 +62,16 @@ def hidden_token_logprobs(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     block_tokens: int | None = None,
-) -> torch.Tensor:
+    mask: torch.Tensor | None = None,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Token log-probs straight from hidden states and the LM head: logits never exist in full.
 
     Computes ``log_softmax((hidden @ weight.T + bias) / temperature).gather(-1, token_ids)`` one
     block of tokens at a time, and recomputes each block's logits in backward (the chunked
-    cross-entropy idea of Liger-Kernel / Apple's Cut Cross-Entropy, here in plain PyTorch).
+    cross-entropy idea of Liger-Kernel / Apple's Cut Cross-Entropy, here in plain PyTorch). Blocks
+    run over the flattened ``B * T`` tokens, so each pass over the ``[V, H]`` head serves up to
+    ``block_tokens`` tokens whatever the sequence length.
 
     Args:
         hidden: ``[B, T, H]`` last hidden states (after the final norm).
@@ -76,10 +80,14 @@ def hidden_token_logprobs(
         bias: optional ``[V]`` LM-head bias.
         temperature: divide the logits by this (> 0).
         block_tokens: tokens per block; default: as many as fit in 64 MiB of float32 logits.
+        mask: optional ``[B, T]`` bool; only these tokens are projected (padding costs nothing):
+            elsewhere the log-prob (and entropy) is 0 and no gradient flows.
+        return_entropy: also return each token's entropy (no gradient), computed from the same
+            block of logits as the log-prob (:func:`hidden_token_entropy` without a second pass).
 
     Returns:
         ``[B, T]`` log-probabilities in float32 (float64 for float64 inputs), differentiable with
-        respect to hidden, weight and bias.
+        respect to hidden, weight and bias; with ``return_entropy``, ``(logprobs, entropy)``.
     """
     if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
@@ -88,8 +96,24 @@ def hidden_token_logprobs(
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias must be [V]={tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
     _check_ids(token_ids, hidden.shape[:2], temperature)
+    if mask is not None and (mask.shape != token_ids.shape or mask.dtype != torch.bool):
+        raise ValueError(
+            f"mask must be a bool [B, T]={tuple(token_ids.shape)}, got {mask.dtype} {tuple(mask.shape)}"
+        )
     rows = _block_rows(weight.shape[0], block_tokens)
-    return _LinearGatherLogSoftmax.apply(hidden, weight, bias, token_ids, float(temperature), rows)
+    B, T, H = hidden.shape
+    h_NH, ids_N = hidden.reshape(B * T, H), token_ids.reshape(B * T)
+    keep_K = None if mask is None else mask.reshape(B * T).nonzero().squeeze(-1)
+    if keep_K is not None:
+        h_NH, ids_N = h_NH.index_select(0, keep_K), ids_N.index_select(0, keep_K)
+    logp_N, ent_N = _LinearGatherLogSoftmax.apply(
+        h_NH, weight, bias, ids_N, float(temperature), rows, return_entropy
+    )
+    out = [logp_N] + ([ent_N] if return_entropy else [])
+    if keep_K is not None:
+        out = [x.new_zeros(B * T).index_copy(0, keep_K, x) for x in out]
+    out = [x.view(B, T) for x in out]
+    return (out[0], out[1]) if return_entropy else out[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,46 +184,57 @@ class _GatherLogSoftmax(torch.autograd.Function):
 
 
 class _LinearGatherLogSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden_BTH, weight_VH, bias_V, ids_BT, temperature, rows):
-        B, T, _ = hidden_BTH.shape
-        out_BT = torch.empty(B, T, dtype=_acc_dtype(hidden_BTH.dtype), device=hidden_BTH.device)
-        lse_BT = torch.empty_like(out_BT)
-        for b, t0, t1 in _blocks(B, T, rows):
-            z_cV = _block_logits(hidden_BTH[b, t0:t1], weight_VH, bias_V, temperature)
-            lse_BT[b, t0:t1] = torch.logsumexp(z_cV, dim=-1)
-            out_BT[b, t0:t1] = z_cV.gather(-1, ids_BT[b, t0:t1, None]).squeeze(-1) - lse_BT[b, t0:t1]
-        ctx.save_for_backward(hidden_BTH, weight_VH, bias_V, ids_BT, lse_BT)
-        ctx.temperature, ctx.rows = temperature, rows
-        return out_BT
+    """Over flattened tokens: hidden ``[N, H]``, ids ``[N]``, blocks of ``rows`` tokens."""
 
     @staticmethod
-    def backward(ctx, grad_BT):
-        hidden_BTH, weight_VH, bias_V, ids_BT, lse_BT = ctx.saved_tensors
-        tau = ctx.temperature
+    def forward(ctx, hidden_NH, weight_VH, bias_V, ids_N, temperature, rows, with_entropy):
+        N = hidden_NH.shape[0]
+        out_N = torch.empty(N, dtype=_acc_dtype(hidden_NH.dtype), device=hidden_NH.device)
+        lse_N = torch.empty_like(out_N)
+        ent_N = torch.empty_like(out_N) if with_entropy else None
+        for t0 in range(0, N, rows):
+            t1 = min(t0 + rows, N)
+            z_cV = _block_logits(hidden_NH[t0:t1], weight_VH, bias_V, temperature)
+            lse_c = torch.logsumexp(z_cV, dim=-1)
+            lse_N[t0:t1] = lse_c
+            out_N[t0:t1] = z_cV.gather(-1, ids_N[t0:t1, None]).squeeze(-1) - lse_c
+            if with_entropy:  # H = lse - sum_v p_v z_v
+                p_cV = torch.exp(z_cV - lse_c[:, None])
+                ent_N[t0:t1] = lse_c - (p_cV.mul_(z_cV)).sum(dim=-1)
+        ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N, lse_N)
+        ctx.temperature, ctx.rows = temperature, rows
+        if with_entropy:
+            ctx.mark_non_differentiable(ent_N)
+        return out_N, ent_N
+
+    @staticmethod
+    def backward(ctx, grad_N, _grad_ent):
+        hidden_NH, weight_VH, bias_V, ids_N, lse_N = ctx.saved_tensors
+        tau, rows = ctx.temperature, ctx.rows
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h_BTH = torch.zeros_like(hidden_BTH) if need_h else None
+        grad_h_NH = torch.empty_like(hidden_NH) if need_h else None
         # Accumulate the LM-head gradient in float32 across blocks: summing bf16 partials loses bits.
-        acc = lse_BT.dtype
+        acc = lse_N.dtype
         grad_w_VH = torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_w else None
         grad_b_V = torch.zeros(weight_VH.shape[0], dtype=acc, device=weight_VH.device) if need_b else None
-        B, T, _ = hidden_BTH.shape
-        for b, t0, t1 in _blocks(B, T, ctx.rows):
-            h_cH = hidden_BTH[b, t0:t1]
-            g_c1 = grad_BT[b, t0:t1, None].to(acc)
+        N = hidden_NH.shape[0]
+        for t0 in range(0, N, rows):
+            t1 = min(t0 + rows, N)
+            h_cH = hidden_NH[t0:t1]
+            g_c1 = grad_N[t0:t1, None].to(acc)
             z_cV = _block_logits(h_cH, weight_VH, bias_V, tau)
-            p_cV = torch.exp(z_cV.sub_(lse_BT[b, t0:t1, None]))
+            p_cV = torch.exp(z_cV.sub_(lse_N[t0:t1, None]))
             # d logp / d logits = (onehot - softmax) / tau, times the incoming gradient
-            g_cV = p_cV.mul_(-g_c1).scatter_add_(-1, ids_BT[b, t0:t1, None], g_c1).div_(tau)
+            g_cV = p_cV.mul_(-g_c1).scatter_add_(-1, ids_N[t0:t1, None], g_c1).div_(tau)
             if need_h:
-                grad_h_BTH[b, t0:t1] = (g_cV.to(weight_VH.dtype) @ weight_VH).to(hidden_BTH.dtype)
+                grad_h_NH[t0:t1] = (g_cV.to(weight_VH.dtype) @ weight_VH).to(hidden_NH.dtype)
             if need_w:
-                grad_w_VH += g_cV.t() @ h_cH.to(acc)
+                grad_w_VH.addmm_(g_cV.t(), h_cH.to(acc))
             if need_b:
                 grad_b_V += g_cV.sum(dim=0)
         grad_w = grad_w_VH.to(weight_VH.dtype) if need_w else None
         grad_b = grad_b_V.to(bias_V.dtype) if need_b else None
-        return grad_h_BTH, grad_w, grad_b, None, None, None
+        return grad_h_NH, grad_w, grad_b, None, None, None, None
 
 
 def _block_logits(
@@ -266,10 +301,11 @@ def hidden_token_entropy(
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    B, T, _ = hidden.shape
-    out_BT = torch.empty(B, T, dtype=_acc_dtype(hidden.dtype), device=hidden.device)
-    for b, t0, t1 in _blocks(B, T, _block_rows(weight.shape[0], block_tokens)):
-        z_cV = _block_logits(hidden[b, t0:t1], weight, bias, temperature)
+    B, T, H = hidden.shape
+    h_NH, rows = hidden.reshape(B * T, H), _block_rows(weight.shape[0], block_tokens)
+    out_N = torch.empty(B * T, dtype=_acc_dtype(hidden.dtype), device=hidden.device)
+    for t0 in range(0, B * T, rows):
+        z_cV = _block_logits(h_NH[t0 : t0 + rows], weight, bias, temperature)
         lse_c = torch.logsumexp(z_cV, dim=-1)
-        out_BT[b, t0:t1] = lse_c - (torch.softmax(z_cV, dim=-1) * z_cV).sum(dim=-1)
-    return out_BT
+        out_N[t0 : t0 + rows] = lse_c - (torch.softmax(z_cV, dim=-1) * z_cV).sum(dim=-1)
+    return out_N.view(B, T)

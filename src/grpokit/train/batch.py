@@ -33,7 +33,6 @@ import torch
 
 from grpokit.algo import (
     LossSpec,
-    hidden_token_entropy,
     hidden_token_logprobs,
     policy_loss,
     token_entropy,
@@ -272,8 +271,9 @@ def completion_logprobs(
     The logits at position L-1+t predict completion token t; only those T' positions (plus the
     last) are projected to the vocabulary when the model supports ``logits_to_keep``. With
     ``fused_head`` (``models.loading.fused_head_reason`` says the model allows it) the head returns
-    the hidden states instead and ``hidden_token_logprobs`` projects them block by block, in
-    float32 outside autocast: the [b, T', V] logits and their gradient never exist.
+    the hidden states instead and ``hidden_token_logprobs`` projects the completion-mask tokens
+    block by block, in float32 outside autocast: the [b, T', V] logits and their gradient never
+    exist, and the log-prob (and entropy) of a padded position is 0.
     """
     T = mb.completion_ids.shape[1]
     kw = {"logits_to_keep": T + 1} if accepts_kwarg(model, "logits_to_keep") else {}
@@ -300,13 +300,12 @@ def completion_logprobs(
     weight, bias = head.weight, head.bias
     with torch.autocast(out_bT.device.type, enabled=False):  # the head in float32, as keep_head_float32
         hidden = out_bT.to(weight.dtype)
-        logp = hidden_token_logprobs(hidden, weight, mb.completion_ids, bias=bias, temperature=temperature)
-        entropy = None
-        if with_entropy:
-            entropy = hidden_token_entropy(
-                hidden.detach(), weight.detach(), bias=bias, temperature=temperature
-            )
-    return logp, entropy
+        # only the loss's tokens are projected (padding costs nothing); entropy from the same blocks
+        out = hidden_token_logprobs(
+            hidden, weight, mb.completion_ids, bias=bias, temperature=temperature,
+            mask=mb.completion_mask, return_entropy=with_entropy,
+        )  # fmt: skip
+    return out if with_entropy else (out, None)
 
 
 @torch.no_grad()
