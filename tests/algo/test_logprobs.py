@@ -193,3 +193,18 @@ def test_token_entropy_matches_definition(block_tokens):
     torch.testing.assert_close(got, -(p * p.log()).sum(-1), rtol=1e-12, atol=1e-12)
     uniform = token_entropy(torch.zeros(1, 2, 7))
     torch.testing.assert_close(uniform, torch.full((1, 2), torch.log(torch.tensor(7.0)).item()))
+
+
+@pytest.mark.parametrize("block_tokens", [1, 4, None])
+def test_hidden_token_entropy_equals_the_naive_float64_entropy(block_tokens):
+    from grpokit.algo import hidden_token_entropy
+
+    g = torch.Generator().manual_seed(14)
+    hidden = torch.randn(2, 5, 4, generator=g, dtype=torch.float64)
+    weight = torch.randn(9, 4, generator=g, dtype=torch.float64)
+    bias = torch.randn(9, generator=g, dtype=torch.float64)
+    z = (hidden @ weight.t() + bias) / 1.3
+    want = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    got = hidden_token_entropy(hidden, weight, bias=bias, temperature=1.3, block_tokens=block_tokens)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(token_entropy(z * 1.3, temperature=1.3), want, atol=1e-12, rtol=0)
