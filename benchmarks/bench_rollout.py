@@ -63,8 +63,8 @@ def hf_generate(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperat
 def ours(
     model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperature: float = 1.0, decode: str = "auto"
 ) -> int:
-    params = SamplingParams(max_new_tokens=n, temperature=temperature)
-    r = sample(model, tok, prompts, G, params, torch.Generator().manual_seed(seed), decode=decode)
+    params = SamplingParams(max_new_tokens=n, temperature=temperature, decode=decode)
+    r = sample(model, tok, prompts, G, params, torch.Generator().manual_seed(seed))
     return int(r.completion_mask.sum())
 
 
@@ -187,8 +187,9 @@ def table(model, tok, cases, reps: int, label: str = "") -> None:
     grpokit's own decode path, of grpokit's sampler on the HF forward, and of HF ``generate``,
     interleaved, median (min-max) of ``reps``; the ratios are against ``generate``."""
     print(
-        f"| {label}G | max new tokens | grpokit tok/s | grpokit on the HF forward tok/s "
-        "| HF generate tok/s | grpokit / generate | (HF forward) / generate |"
+        f"| {label + ' | ' if label else ''}G | max new tokens | grpokit tok/s "
+        "| grpokit on the HF forward tok/s | HF generate tok/s "
+        "| grpokit / generate | (HF forward) / generate |"
     )
     print("|" + "---:|" * (7 + bool(label)))
     for G, n, prompts, temperature in cases:
