@@ -109,11 +109,11 @@ def hidden_token_logprobs(
     logp_N, ent_N = _LinearGatherLogSoftmax.apply(
         h_NH, weight, bias, ids_N, float(temperature), rows, return_entropy
     )
-    out = [logp_N] + ([ent_N] if return_entropy else [])
-    if keep_K is not None:
-        out = [x.new_zeros(B * T).index_copy(0, keep_K, x) for x in out]
-    out = [x.view(B, T) for x in out]
-    return (out[0], out[1]) if return_entropy else out[0]
+
+    def unflatten(x_K: torch.Tensor) -> torch.Tensor:  # masked-out positions hold 0
+        return (x_K if keep_K is None else x_K.new_zeros(B * T).index_copy(0, keep_K, x_K)).view(B, T)
+
+    return (unflatten(logp_N), unflatten(ent_N)) if return_entropy else unflatten(logp_N)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,9 +198,8 @@ class _LinearGatherLogSoftmax(torch.autograd.Function):
             lse_c = torch.logsumexp(z_cV, dim=-1)
             lse_N[t0:t1] = lse_c
             out_N[t0:t1] = z_cV.gather(-1, ids_N[t0:t1, None]).squeeze(-1) - lse_c
-            if with_entropy:  # H = lse - sum_v p_v z_v
-                p_cV = torch.exp(z_cV - lse_c[:, None])
-                ent_N[t0:t1] = lse_c - (p_cV.mul_(z_cV)).sum(dim=-1)
+            if with_entropy:
+                ent_N[t0:t1] = _block_entropy(z_cV, lse_c)
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N, lse_N)
         ctx.temperature, ctx.rows = temperature, rows
         if with_entropy:
@@ -247,6 +246,11 @@ def _block_logits(
     return z_cV.div_(tau)
 
 
+def _block_entropy(z_cV: torch.Tensor, lse_c: torch.Tensor) -> torch.Tensor:
+    """``H = lse - sum_v p_v z_v`` per row of a block of (tempered) logits and their logsumexp."""
+    return lse_c - torch.exp(z_cV - lse_c[:, None]).mul_(z_cV).sum(dim=-1)
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Compute in float32 at least: bf16/fp16 inputs are upcast per block, float64 stays float64."""
     return torch.promote_types(dtype, torch.float32)
@@ -277,7 +281,7 @@ def token_entropy(
     for b, t0, t1 in _blocks(B, T, _block_rows(V, block_tokens)):
         z_cV = logits[b, t0:t1].to(acc) / temperature
         lse_c = torch.logsumexp(z_cV, dim=-1)
-        out_BT[b, t0:t1] = lse_c - (torch.softmax(z_cV, dim=-1) * z_cV).sum(dim=-1)
+        out_BT[b, t0:t1] = _block_entropy(z_cV, lse_c)
     return out_BT
 
 
@@ -307,5 +311,5 @@ def hidden_token_entropy(
     for t0 in range(0, B * T, rows):
         z_cV = _block_logits(h_NH[t0 : t0 + rows], weight, bias, temperature)
         lse_c = torch.logsumexp(z_cV, dim=-1)
-        out_N[t0 : t0 + rows] = lse_c - (torch.softmax(z_cV, dim=-1) * z_cV).sum(dim=-1)
+        out_N[t0 : t0 + rows] = _block_entropy(z_cV, lse_c)
     return out_N.view(B, T)
