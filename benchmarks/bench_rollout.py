@@ -136,6 +136,14 @@ def profile(model, tok) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(15)
 
 
+def _full_width_draw(logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler's draw before the two-level CDF: softmax, a float64 cumsum over the whole
+    vocabulary, then log_softmax for the drawn token's log-prob (kept here as the baseline)."""
+    cdf = torch.softmax(logits, -1).double().cumsum(-1)
+    index = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)
+    return index, torch.log_softmax(logits, -1).gather(-1, index.clamp(max=cdf.shape[-1] - 1))
+
+
 def draw_cost(reps: int = 20) -> None:
     from grpokit.rollout.sampler import _sample_next
 
@@ -144,12 +152,18 @@ def draw_cost(reps: int = 20) -> None:
     u = torch.rand(64)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=1)
-    times: dict[str, list[float]] = {"inverse-CDF (grpokit)": [], "torch.multinomial": []}
+    times: dict[str, list[float]] = {
+        "two-level inverse-CDF (grpokit)": [],
+        "full-width inverse-CDF (grpokit before 2026-12-04)": [],
+        "torch.multinomial": [],
+    }
     for _ in range(reps):
         for name in times:
             t = time.perf_counter()
             if name == "torch.multinomial":
                 torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
+            elif name.startswith("full-width"):
+                _full_width_draw(logits, u)
             else:
                 _sample_next(logits, params, u)
             times[name].append(1000 * (time.perf_counter() - t))

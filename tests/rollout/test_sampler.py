@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpokit.rollout.decode import OwnDecoder
-from grpokit.rollout.sampler import SamplingParams, encode_prompts, sample
+from grpokit.rollout.sampler import CDF_BLOCK, SamplingParams, encode_prompts, inverse_cdf, sample
 
 
 def chi_square_bound(df: int, z: float = 4.5) -> float:
@@ -206,3 +206,46 @@ def test_shard_outside_the_batch_is_refused(peaky):
     model, tok = peaky
     with pytest.raises(ValueError, match="do not fit"):
         sample(model, tok, ["1+1="], 4, SamplingParams(max_new_tokens=2), row_offset=2, num_rows_total=4)
+
+
+def reference_inverse_cdf(z: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64, written from the definition: the first index whose cumulative probability exceeds
+    u * total, never past the last token with mass, and each row's distance from its
+    target to the nearest boundary of the drawn token's interval (rounding can only move a draw
+    whose target is that close to a boundary)."""
+    p = torch.softmax(z.double(), dim=-1)
+    cdf = p.cumsum(dim=-1)
+    target = u.double() * cdf[:, -1]
+    index = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+    index = torch.minimum(index, (cdf < cdf[:, -1:]).sum(dim=-1))
+    hi = cdf.gather(-1, index[:, None]).squeeze(-1)
+    margin = torch.minimum(
+        (hi - target).abs(), (target - (hi - p.gather(-1, index[:, None]).squeeze(-1))).abs()
+    )
+    return index, margin
+
+
+@pytest.mark.parametrize("V", [5, 83, CDF_BLOCK, 3 * CDF_BLOCK + 7, 151936])
+def test_inverse_cdf_draws_the_float64_reference_token(V):
+    """The two-level draw picks the token the full float64 CDF picks, with its log-prob, on random
+    logits with masked entries (in half the rows; a quarter of the rows have their leading blocks
+    empty) and at the uniforms' extremes, and never draws a zero-probability token."""
+    g = torch.Generator().manual_seed(V)
+    B = 64
+    z = torch.randn(B, V, generator=g) * 3
+    masked = torch.rand(B, V, generator=g) < 0.5
+    masked[:, : min(V - 1, 2 * CDF_BLOCK)] |= torch.arange(B)[:, None] % 4 == 0
+    masked[:, -1] = False  # every row keeps a token
+    z = z.masked_fill(masked & (torch.arange(B)[:, None] % 2 == 0), float("-inf"))
+    u = torch.rand(B, generator=g)
+    u[:8] = torch.tensor([0.0, 0.0, 1e-12, 1e-12, 1 - 2**-24, 1 - 2**-24, 1 - 2**-53, 1 - 2**-53])
+    index, logp = inverse_cdf(z, u)
+    ref_index, margin = reference_inverse_cdf(z, u)
+    assert torch.isfinite(z.gather(-1, index[:, None])).all()  # a masked token is never drawn
+    assert torch.equal(index[:8], ref_index[:8])  # the extremes: first and last tokens with mass
+    clear = margin > 1e-6  # targets farther than rounding from the drawn interval's ends
+    clear[:8] = True
+    assert int(clear.sum()) >= B - 2
+    assert torch.equal(index[clear], ref_index[clear])
+    exact = torch.log_softmax(z.double(), -1).gather(-1, index[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp.double(), exact, rtol=0, atol=2e-6)
