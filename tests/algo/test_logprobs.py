@@ -68,7 +68,8 @@ def test_non_contiguous_slice_and_bf16():
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("block_tokens", [1, 4, None])
-def test_hidden_token_logprobs_value_and_grads(with_bias, block_tokens):
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_hidden_token_logprobs_value_and_grads(with_bias, block_tokens, temperature):
     g = torch.Generator().manual_seed(11)
     B, T, H, V = 2, 6, 8, 13
     hidden = torch.randn(B, T, H, generator=g)
@@ -82,10 +83,10 @@ def test_hidden_token_logprobs_value_and_grads(with_bias, block_tokens):
         return ls[0], ls[1], ls[2] if with_bias else None
 
     h, w, b = split(leaves)
-    got = hidden_token_logprobs(h, w, ids, bias=b, temperature=0.8, block_tokens=block_tokens)
+    got = hidden_token_logprobs(h, w, ids, bias=b, temperature=temperature, block_tokens=block_tokens)
     hr, wr, br = split(leaves_ref)
     logits = hr @ wr.t() + (br if with_bias else 0)
-    want = naive(logits, ids, 0.8)
+    want = naive(logits, ids, temperature)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     upstream = torch.randn(B, T, generator=g)
     (got * upstream).sum().backward()
@@ -95,7 +96,8 @@ def test_hidden_token_logprobs_value_and_grads(with_bias, block_tokens):
 
 
 @pytest.mark.parametrize("block_tokens", [1, 5, None])
-def test_hidden_token_logprobs_mask_and_entropy(block_tokens):
+@pytest.mark.parametrize("tau", [0.7, 1.0])
+def test_hidden_token_logprobs_mask_and_entropy(block_tokens, tau):
     # masked-out tokens are never projected: log-prob and entropy 0, no gradient; the kept ones equal
     # the float64 naive expression, and so does the entropy returned from the same blocks
     g = torch.Generator().manual_seed(13)
@@ -106,9 +108,9 @@ def test_hidden_token_logprobs_mask_and_entropy(block_tokens):
     mask = torch.rand(B, T - 1, generator=g) < 0.6
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     logp, ent = hidden_token_logprobs(
-        h, w, ids, temperature=0.7, mask=mask, return_entropy=True, block_tokens=block_tokens
+        h, w, ids, temperature=tau, mask=mask, return_entropy=True, block_tokens=block_tokens
     )
-    z = (hidden @ weight.t()) / 0.7
+    z = (hidden @ weight.t()) / tau
     want = torch.log_softmax(z, -1).gather(-1, ids[..., None]).squeeze(-1)
     p = torch.softmax(z, -1)
     want_ent = -(p * torch.log_softmax(z, -1)).sum(-1)
@@ -118,7 +120,7 @@ def test_hidden_token_logprobs_mask_and_entropy(block_tokens):
     logp.sum().backward()
     assert bool((h.grad[~mask] == 0).all()) and bool((h.grad[mask] != 0).all())
     hr, wr = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    ref_lp = torch.log_softmax((hr @ wr.t()) / 0.7, -1).gather(-1, ids[..., None]).squeeze(-1)
+    ref_lp = torch.log_softmax((hr @ wr.t()) / tau, -1).gather(-1, ids[..., None]).squeeze(-1)
     ref_lp[mask].sum().backward()
     torch.testing.assert_close(h.grad, hr.grad, atol=1e-12, rtol=0)
     torch.testing.assert_close(w.grad, wr.grad, atol=1e-12, rtol=0)

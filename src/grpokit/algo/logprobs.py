@@ -195,11 +195,13 @@ class _LinearGatherLogSoftmax(torch.autograd.Function):
         for t0 in range(0, N, rows):
             t1 = min(t0 + rows, N)
             z_cV = _block_logits(hidden_NH[t0:t1], weight_VH, bias_V, temperature)
-            lse_c = torch.logsumexp(z_cV, dim=-1)
-            lse_N[t0:t1] = lse_c
-            out_N[t0:t1] = z_cV.gather(-1, ids_N[t0:t1, None]).squeeze(-1) - lse_c
+            picked_c = z_cV.gather(-1, ids_N[t0:t1, None]).squeeze(-1)
             if with_entropy:
-                ent_N[t0:t1] = _block_entropy(z_cV, lse_c)
+                lse_c, ent_N[t0:t1] = _block_lse_entropy(z_cV)
+            else:
+                lse_c = torch.logsumexp(z_cV, dim=-1)
+            lse_N[t0:t1] = lse_c
+            out_N[t0:t1] = picked_c - lse_c
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N, lse_N)
         ctx.temperature, ctx.rows = temperature, rows
         if with_entropy:
@@ -222,9 +224,11 @@ class _LinearGatherLogSoftmax(torch.autograd.Function):
             h_cH = hidden_NH[t0:t1]
             g_c1 = grad_N[t0:t1, None].to(acc)
             z_cV = _block_logits(h_cH, weight_VH, bias_V, tau)
-            p_cV = torch.exp(z_cV.sub_(lse_N[t0:t1, None]))
+            p_cV = z_cV.sub_(lse_N[t0:t1, None]).exp_()
             # d logp / d logits = (onehot - softmax) / tau, times the incoming gradient
-            g_cV = p_cV.mul_(-g_c1).scatter_add_(-1, ids_N[t0:t1, None], g_c1).div_(tau)
+            g_cV = p_cV.mul_(-g_c1).scatter_add_(-1, ids_N[t0:t1, None], g_c1)
+            if tau != 1.0:
+                g_cV.div_(tau)
             if need_h:
                 grad_h_NH[t0:t1] = (g_cV.to(weight_VH.dtype) @ weight_VH).to(hidden_NH.dtype)
             if need_w:
@@ -243,12 +247,19 @@ def _block_logits(
     z_cV = (h_cH @ weight_VH.t()).to(acc)
     if bias_V is not None:
         z_cV = z_cV + bias_V.to(acc)
-    return z_cV.div_(tau)
+    return z_cV if tau == 1.0 else z_cV.div_(tau)
 
 
-def _block_entropy(z_cV: torch.Tensor, lse_c: torch.Tensor) -> torch.Tensor:
-    """``H = lse - sum_v p_v z_v`` per row of a block of (tempered) logits and their logsumexp."""
-    return lse_c - torch.exp(z_cV - lse_c[:, None]).mul_(z_cV).sum(dim=-1)
+def _block_lse_entropy(z_cV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a block of (tempered) logits, ``lse = m + log s`` and the entropy
+    ``H = log s - sum_v e_v (z_v - m) / s`` with ``m = max z``, ``e = exp(z - m)``, ``s = sum e``:
+    one exp pass serves both. Overwrites ``z_cV`` (with ``z - m``)."""
+    m_c1 = z_cV.amax(dim=-1, keepdim=True)
+    zm_cV = z_cV.sub_(m_c1)
+    e_cV = torch.exp(zm_cV)
+    s_c = e_cV.sum(dim=-1)
+    log_s_c = s_c.log()
+    return m_c1.squeeze(-1) + log_s_c, log_s_c - e_cV.mul_(zm_cV).sum(dim=-1).div_(s_c)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -280,8 +291,7 @@ def token_entropy(
     out_BT = torch.empty(B, T, dtype=acc, device=logits.device)
     for b, t0, t1 in _blocks(B, T, _block_rows(V, block_tokens)):
         z_cV = logits[b, t0:t1].to(acc) / temperature
-        lse_c = torch.logsumexp(z_cV, dim=-1)
-        out_BT[b, t0:t1] = _block_entropy(z_cV, lse_c)
+        out_BT[b, t0:t1] = _block_lse_entropy(z_cV)[1]
     return out_BT
 
 
@@ -310,6 +320,5 @@ def hidden_token_entropy(
     out_N = torch.empty(B * T, dtype=_acc_dtype(hidden.dtype), device=hidden.device)
     for t0 in range(0, B * T, rows):
         z_cV = _block_logits(h_NH[t0 : t0 + rows], weight, bias, temperature)
-        lse_c = torch.logsumexp(z_cV, dim=-1)
-        out_N[t0 : t0 + rows] = _block_entropy(z_cV, lse_c)
+        out_N[t0 : t0 + rows] = _block_lse_entropy(z_cV)[1]
     return out_N.view(B, T)
