@@ -406,24 +406,22 @@ def main() -> None:
             f"| {name} | {cell} | {r['peak_rss_mib']:.0f} "
             f"| {r['rss_after_load_mib']:.0f} | {statistics.mean(first):.3f} | {statistics.mean(last):.3f} |"
         )
-    if a.only:
-        print(f"\nraw results: {work / 'results.json'}")
-        (work / "results.json").write_text(json.dumps(results))
-        return
-    g, t = results["grpokit"], results["trl"]
-    above = (g["peak_rss_mib"] - g["rss_after_load_mib"]) / (t["peak_rss_mib"] - t["rss_after_load_mib"])
-    target = 0.4 if a.vocab >= 100_000 else 0.3  # issue 17: 0.3x at the 3M model, 0.4x at 152k
-    print(
-        f"\nratios grpokit / TRL: step time {med['grpokit'] / med['trl']:.2f}x (target <= {target}x), "
-        f"peak RSS {g['peak_rss_mib'] / t['peak_rss_mib']:.2f}x (target <= 0.7x), "
-        f"peak RSS above the loaded model {above:.2f}x"
-    )
+    if not a.only:
+        g, t = results["grpokit"], results["trl"]
+        above = (g["peak_rss_mib"] - g["rss_after_load_mib"]) / (t["peak_rss_mib"] - t["rss_after_load_mib"])
+        target = 0.4 if a.vocab >= 100_000 else 0.3  # issue 17: 0.3x at the 3M model, 0.4x at 152k
+        print(
+            f"\nratios grpokit / TRL: step time {med['grpokit'] / med['trl']:.2f}x (target <= {target}x), "
+            f"peak RSS {g['peak_rss_mib'] / t['peak_rss_mib']:.2f}x (target <= 0.7x), "
+            f"peak RSS above the loaded model {above:.2f}x"
+        )
     if phases:
         print("\nwhere the training loop's time goes (py-spy samples, share of the loop):\n")
         print("| phase | " + " | ".join(phases) + " |")
         print("|---|" + "---:|" * len(phases))
         for phase in PHASES:
             print(f"| {phase} | " + " | ".join(f"{p.get(phase, 0.0):.0%}" for p in phases.values()) + " |")
+        print(f"\nraw py-spy stacks: {work}/py-spy-*.txt")
     (work / "results.json").write_text(json.dumps(results))
     print(f"raw results: {work / 'results.json'}")
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-# Rows of float32 [rows, V] per block: about 64 MiB per block whatever the vocabulary.
-DEFAULT_BLOCK_BYTES = 64 * 2**20
+# Rows of float32 [rows, V] per block: about 128 MiB per block whatever the vocabulary
+# (220 tokens at 152k: the head's matmul runs 15% faster than at 64 MiB on this CPU).
+DEFAULT_BLOCK_BYTES = 128 * 2**20
 
 
 def token_logprobs(
@@ -43,7 +44,7 @@ def token_logprobs(
         logits: ``[B, T, V]`` (any float dtype; may require grad).
         token_ids: ``[B, T]`` integer ids in ``[0, V)``.
         temperature: divide the logits by this first (the sampling temperature, > 0).
-        block_tokens: tokens per block; default: as many as fit in 64 MiB of float32.
+        block_tokens: tokens per block; default: as many as fit in 128 MiB of float32.
 
     Returns:
         ``[B, T]`` log-probabilities in float32 (float64 for float64 logits), differentiable with
@@ -79,7 +80,7 @@ def hidden_token_logprobs(
         token_ids: ``[B, T]`` integer ids in ``[0, V)``.
         bias: optional ``[V]`` LM-head bias.
         temperature: divide the logits by this (> 0).
-        block_tokens: tokens per block; default: as many as fit in 64 MiB of float32 logits.
+        block_tokens: tokens per block; default: as many as fit in 128 MiB of float32 logits.
         mask: optional ``[B, T]`` bool; only these tokens are projected (padding costs nothing):
             elsewhere the log-prob (and entropy) is 0 and no gradient flows.
         return_entropy: also return each token's entropy (no gradient), computed from the same
@@ -192,12 +193,14 @@ class _LinearGatherLogSoftmax(torch.autograd.Function):
         out_N = torch.empty(N, dtype=_acc_dtype(hidden_NH.dtype), device=hidden_NH.device)
         lse_N = torch.empty_like(out_N)
         ent_N = torch.empty_like(out_N) if with_entropy else None
+        z_buf = _block_buffer(hidden_NH, weight_VH, rows)
+        e_buf = torch.empty_like(z_buf) if with_entropy else None
         for t0 in range(0, N, rows):
             t1 = min(t0 + rows, N)
-            z_cV = _block_logits(hidden_NH[t0:t1], weight_VH, bias_V, temperature)
+            z_cV = _block_logits(hidden_NH[t0:t1], weight_VH, bias_V, temperature, z_buf[: t1 - t0])
             picked_c = z_cV.gather(-1, ids_N[t0:t1, None]).squeeze(-1)
             if with_entropy:
-                lse_c, ent_N[t0:t1] = _block_lse_entropy(z_cV)
+                lse_c, ent_N[t0:t1] = _block_lse_entropy(z_cV, e_buf[: t1 - t0])
             else:
                 lse_c = torch.logsumexp(z_cV, dim=-1)
             lse_N[t0:t1] = lse_c
@@ -219,11 +222,12 @@ class _LinearGatherLogSoftmax(torch.autograd.Function):
         grad_w_VH = torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_w else None
         grad_b_V = torch.zeros(weight_VH.shape[0], dtype=acc, device=weight_VH.device) if need_b else None
         N = hidden_NH.shape[0]
+        z_buf = _block_buffer(hidden_NH, weight_VH, rows)
         for t0 in range(0, N, rows):
             t1 = min(t0 + rows, N)
             h_cH = hidden_NH[t0:t1]
             g_c1 = grad_N[t0:t1, None].to(acc)
-            z_cV = _block_logits(h_cH, weight_VH, bias_V, tau)
+            z_cV = _block_logits(h_cH, weight_VH, bias_V, tau, z_buf[: t1 - t0])
             p_cV = z_cV.sub_(lse_N[t0:t1, None]).exp_()
             # d logp / d logits = (onehot - softmax) / tau, times the incoming gradient
             g_cV = p_cV.mul_(-g_c1).scatter_add_(-1, ids_N[t0:t1, None], g_c1)
@@ -240,23 +244,40 @@ class _LinearGatherLogSoftmax(torch.autograd.Function):
         return grad_h_NH, grad_w, grad_b, None, None, None, None
 
 
+def _block_buffer(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, rows: int) -> torch.Tensor:
+    """One ``[rows, V]`` block of logits in the accumulation dtype, reused by every block of a pass:
+    a fresh block per iteration costs its page faults again on the CPU (tens of MiB are mmapped and
+    returned by malloc each time), a third of the head's forward time at a 152k vocabulary."""
+    shape = (min(rows, hidden_NH.shape[0]), weight_VH.shape[0])
+    return torch.empty(shape, dtype=_acc_dtype(hidden_NH.dtype), device=hidden_NH.device)
+
+
 def _block_logits(
-    h_cH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None, tau: float
+    h_cH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    tau: float,
+    out_cV: torch.Tensor,
 ) -> torch.Tensor:
-    acc = _acc_dtype(h_cH.dtype)
-    z_cV = (h_cH @ weight_VH.t()).to(acc)
+    """``(h @ W.T + b) / tau`` written into ``out_cV`` (``[c, V]``, the accumulation dtype)."""
+    if h_cH.dtype == out_cV.dtype and weight_VH.dtype == out_cV.dtype:
+        torch.matmul(h_cH, weight_VH.t(), out=out_cV)
+    else:  # bf16/fp16: the matmul in the inputs' dtype, upcast into the buffer
+        out_cV.copy_(h_cH @ weight_VH.t())
     if bias_V is not None:
-        z_cV = z_cV + bias_V.to(acc)
-    return z_cV if tau == 1.0 else z_cV.div_(tau)
+        out_cV.add_(bias_V)
+    return out_cV if tau == 1.0 else out_cV.div_(tau)
 
 
-def _block_lse_entropy(z_cV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_lse_entropy(
+    z_cV: torch.Tensor, e_out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of a block of (tempered) logits, ``lse = m + log s`` and the entropy
     ``H = log s - sum_v e_v (z_v - m) / s`` with ``m = max z``, ``e = exp(z - m)``, ``s = sum e``:
-    one exp pass serves both. Overwrites ``z_cV`` (with ``z - m``)."""
+    one exp pass serves both. Overwrites ``z_cV`` (with ``z - m``); ``e`` goes to ``e_out`` if given."""
     m_c1 = z_cV.amax(dim=-1, keepdim=True)
     zm_cV = z_cV.sub_(m_c1)
-    e_cV = torch.exp(zm_cV)
+    e_cV = torch.exp(zm_cV, out=e_out) if e_out is not None else torch.exp(zm_cV)
     s_c = e_cV.sum(dim=-1)
     log_s_c = s_c.log()
     return m_c1.squeeze(-1) + log_s_c, log_s_c - e_cV.mul_(zm_cV).sum(dim=-1).div_(s_c)
@@ -318,7 +339,10 @@ def hidden_token_entropy(
     B, T, H = hidden.shape
     h_NH, rows = hidden.reshape(B * T, H), _block_rows(weight.shape[0], block_tokens)
     out_N = torch.empty(B * T, dtype=_acc_dtype(hidden.dtype), device=hidden.device)
+    z_buf = _block_buffer(h_NH, weight, rows)
+    e_buf = torch.empty_like(z_buf)
     for t0 in range(0, B * T, rows):
-        z_cV = _block_logits(h_NH[t0 : t0 + rows], weight, bias, temperature)
-        out_N[t0 : t0 + rows] = _block_lse_entropy(z_cV)[1]
+        t1 = min(t0 + rows, B * T)
+        z_cV = _block_logits(h_NH[t0:t1], weight, bias, temperature, z_buf[: t1 - t0])
+        out_N[t0:t1] = _block_lse_entropy(z_cV, e_buf[: t1 - t0])[1]
     return out_N.view(B, T)
