@@ -34,11 +34,16 @@ SMALL = dict(
 def build(family: str, **extra):
     tok = char_tokenizer()
     ids = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4, "llama-rope": 5}[family])
+    torch.manual_seed(
+        {"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4, "llama-rope": 5, "llama-dynamic": 6}[family]
+    )
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**SMALL, **ids, attention_bias=True, **extra))
     elif family == "llama-rope":  # a scaled rope: the rotary embedding comes from the model's own module
         rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}
+        model = LlamaForCausalLM(LlamaConfig(**SMALL, **ids, rope_parameters=rope, **extra))
+    elif family == "llama-dynamic":  # a rope asked per step (it rescales with the sequence so far)
+        rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0}
         model = LlamaForCausalLM(LlamaConfig(**SMALL, **ids, rope_parameters=rope, **extra))
     elif family == "qwen2":  # q/k/v biases
         model = Qwen2ForCausalLM(Qwen2Config(**SMALL, **ids, **extra))
@@ -49,7 +54,7 @@ def build(family: str, **extra):
     return model.eval(), tok
 
 
-FAMILIES = ["llama", "llama-rope", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "llama-rope", "llama-dynamic", "qwen2", "qwen3", "mistral"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -209,3 +214,20 @@ def test_the_trainer_says_once_why_a_model_takes_the_hf_path(tmp_path, capsys):
                 rewards=[varied])  # fmt: skip
     out = capsys.readouterr().out
     assert out.count("the sampler runs the model's Hugging Face forward: model_type 'gpt2'") == 1
+
+
+@pytest.mark.parametrize("shape", [(64, 1, 64), (3, 7, 576), (5, 1, 4, 128), (2, 3, 33)])
+def test_rms_norm_is_hfs_bit_for_bit(shape):
+    """The float32 one-operator path and the autocast path both equal HF's LlamaRMSNorm exactly."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from grpokit.rollout.decode import _rms_norm
+
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    x = torch.randn(shape, generator=g) * 3
+    hf = LlamaRMSNorm(shape[-1], eps=1e-6)
+    hf.weight.data = torch.randn(shape[-1], generator=g)
+    with torch.no_grad():
+        assert torch.equal(_rms_norm(x, hf.weight, 1e-6), hf(x))
+        xb = x.bfloat16()
+        assert torch.equal(_rms_norm(xb, hf.weight.bfloat16(), 1e-6), hf.bfloat16()(xb))

@@ -146,7 +146,7 @@ class OwnDecoder:
                     None if kn is None else kn.weight,
                 )
             )
-        self.cos = self.sin = None  # [C, D] rotary tables, made at the prompt pass
+        self.cos = self.sin = None  # [C, D] rotary tables (sin signed, see _signed), made at the prompt pass
 
     def prefill(
         self, ids_PL: torch.Tensor, mask_PL: torch.Tensor, group_size: int, capacity: int
@@ -158,7 +158,7 @@ class OwnDecoder:
         if not self.rope_per_step:  # the model's own rotary module, asked once for every position
             probe = self.embed[:1][None]
             cos, sin = self.rotary(probe, torch.arange(capacity, device=device)[None])
-            self.cos, self.sin = cos[0], sin[0]
+            self.cos, self.sin = cos[0], _signed(sin[0])
         positions_PL = (mask_PL.long().cumsum(dim=1) - 1).clamp(min=0)
         causal_LL = torch.ones(L, L, dtype=torch.bool, device=device).tril()
         eye_LL = torch.eye(L, dtype=torch.bool, device=device)
@@ -206,6 +206,7 @@ class OwnDecoder:
         x = F.embedding(ids, self.embed)
         if self.rope_per_step:
             cos, sin = self.rotary(x, positions)
+            sin = _signed(sin)
         else:
             cos, sin = self.cos[positions], self.sin[positions]
         cos, sin = cos[:, None], sin[:, None]  # [b, 1, Q, D]
@@ -220,11 +221,11 @@ class OwnDecoder:
                 q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
             if len(layer.qkv) == 1 and layer.q_norm is None:  # q and k rotated in one go
                 qk = qkv[:, :, : H + K].transpose(1, 2)
-                qk = qk * cos + _rotate_half(qk) * sin
+                qk = _rotate(qk, cos, sin)
                 q, k = qk[:, :H], qk[:, H:]
             else:
                 q, k = q.transpose(1, 2), k.transpose(1, 2)
-                q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = v.transpose(1, 2)
             if prefill:
                 keys[i], values[i] = k, v
@@ -263,16 +264,27 @@ def _linear(linear: Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    """HF's LlamaRMSNorm: normalise in float32, cast back, then scale. All float32 (no autocast):
+    torch's one-operator ``rms_norm``, which computes the same products in the same order."""
+    if x.dtype == weight.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated, so that HF's ``rotate_half(x) * sin`` (``rotate_half(x)
+    = cat(-x2, x1)``) is ``roll(x, D / 2) * _signed(sin)``: the same products, bit for bit (only
+    signs move), in one operator instead of three."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``apply_rotary_pos_emb`` for one tensor: ``x * cos + rotate_half(x) * sin``."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class HFDecoder:

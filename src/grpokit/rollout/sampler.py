@@ -311,10 +311,15 @@ def inverse_cdf(z_bV: torch.Tensor, u_b: torch.Tensor) -> tuple[torch.Tensor, to
     never drawn (the index is kept within the chosen block's first and last tokens with mass); the
     log-prob is ``z_i - max z + log p_max - log total``, finite for every drawn token and without a
     second pass over the vocabulary. At a 152k vocabulary and 64 rows this takes about a fifth of a
-    full softmax + float64 cumsum + log_softmax (``benchmarks/bench_rollout.py --draw``).
+    full softmax + float64 cumsum + log_softmax (``benchmarks/bench_rollout.py --draw``). A
+    vocabulary of at most one block is one level: its float64 cumulative sum is the whole CDF.
     """
     p_bV = torch.softmax(z_bV, dim=-1)
     b, V = p_bV.shape
+    if V <= CDF_BLOCK:  # few operators per token: small models' decode steps are cheap
+        cdf_bV = p_bV.double().cumsum(dim=-1)
+        index_b = _first_above(cdf_bV, u_b.double() * cdf_bV[:, -1])
+        return index_b, torch.log_softmax(z_bV, dim=-1).gather(-1, index_b[:, None]).squeeze(-1)
     full = V // CDF_BLOCK * CDF_BLOCK
     sums = [p_bV[:, :full].reshape(b, -1, CDF_BLOCK).sum(dim=-1)] if full else []
     if full < V:
