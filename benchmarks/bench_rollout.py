@@ -18,8 +18,8 @@ rendered with the smollm2 recipe's chat template and system prompt, 96 new token
 grpokit's side; HF `generate` under the same autocast).
 
 `--draw` times one token draw for 64 rows at Qwen2's vocabulary (151,936): the sampler's
-inverse-CDF draw against `torch.multinomial` (what `generate` uses), 20 repetitions each,
-interleaved.
+two-level inverse-CDF draw, the full-width float64 scan it replaced, and `torch.multinomial`
+(what `generate` uses), 20 repetitions each, interleaved.
 """
 
 from __future__ import annotations

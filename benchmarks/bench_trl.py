@@ -26,6 +26,11 @@ metrics line, TRL's ``on_step_end``), the median and min-max over the steps afte
 (warm-up); the peak resident set (``VmHWM``) at the end and once the model is loaded; and the
 mean reward of the first 5 and the last 10 steps.
 
+``--floor`` (3M model only) also times, in the parent after both children, the HF model alone on
+the step's shapes: one no-grad forward and one forward + backward over 64 rows of the longest
+prompt plus 16 tokens, the model work any trainer does per step (sampling on top), as a share of
+each trainer's measured step.
+
 ``--profile`` (needs ``pip install py-spy``) samples each child with py-spy at 100 Hz and prints
 the share of the training loop's samples spent in each phase (sampling, log-prob passes without
 gradient, the loss's forward, backward, optimizer, rewards, the rest), classified by the
@@ -313,6 +318,46 @@ def classify(stacks: Path) -> dict[str, float]:
     return {k: v / total for k, v in counts.items()}
 
 
+def compute_floor(model_dir: Path, data: Path, max_new: int, reps: int = 7) -> dict[str, float]:
+    """Seconds of the model work every GRPO trainer does per step on these shapes, with nothing else:
+    one no-grad forward (pi_ref) and one forward + backward (the loss) of the HF model over the step's
+    64 rows at the longest prompt plus ``max_new`` tokens, medians of ``reps``. Sampling comes on top."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompts = [json.loads(x)["prompt"] for x in data.read_text().splitlines()]
+    length = max(len(tok(p).input_ids) for p in prompts) + max_new
+    ids = torch.randint(
+        0, len(tok), (G * PROMPTS_PER_STEP, length), generator=torch.Generator().manual_seed(0)
+    )
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(ids)
+
+    def forward_backward() -> None:
+        model(ids).logits.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    return {
+        "rows": ids.shape[0],
+        "tokens": length,
+        "forward": timed(forward),
+        "fwd_bwd": timed(forward_backward),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -333,6 +378,11 @@ def main() -> None:
     ap.add_argument("--only", choices=["grpokit", "trl"], help="run one side only (its row alone)")
     ap.add_argument("--profile", action="store_true", help="sample both children with py-spy")
     ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the HF model's no-grad forward and forward+backward alone on the step's shapes",
+    )
+    ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="extra grpokit config override"
     )
     ap.add_argument("--child", choices=["grpokit", "trl"], help=argparse.SUPPRESS)
@@ -340,6 +390,8 @@ def main() -> None:
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.floor and (a.model != "qwen2-3m" or a.vocab):
+        sys.exit("--floor times the 3M model at its own vocabulary only (no --model smollm2, no --vocab)")
     if a.child:
         args = (Path(a.model_dir), Path(a.data), a.steps, Path(a.out), a.model, a.gradient_checkpointing)
         result = run_grpokit(*args, tuple(a.set)) if a.child == "grpokit" else run_trl(*args)
@@ -414,6 +466,15 @@ def main() -> None:
             f"\nratios grpokit / TRL: step time {med['grpokit'] / med['trl']:.2f}x (target <= {target}x), "
             f"peak RSS {g['peak_rss_mib'] / t['peak_rss_mib']:.2f}x (target <= 0.7x), "
             f"peak RSS above the loaded model {above:.2f}x"
+        )
+    if a.floor:
+        f = compute_floor(model_dir, data, su["max_new"])
+        both = f["forward"] + f["fwd_bwd"]
+        print(
+            f"\nfloor, the HF model alone on {f['rows']} rows x {f['tokens']} tokens (medians of 7): "
+            f"no-grad forward {f['forward']:.3f} s + forward/backward {f['fwd_bwd']:.3f} s = {both:.3f} s"
+            + "".join(f" = {both / med[n]:.2f}x {n}'s step" for n in med)
+            + " (sampling not included)"
         )
     if phases:
         print("\nwhere the training loop's time goes (py-spy samples, share of the loop):\n")
