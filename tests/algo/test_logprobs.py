@@ -210,3 +210,27 @@ def test_hidden_token_entropy_equals_the_naive_float64_entropy(block_tokens):
     got = hidden_token_entropy(hidden, weight, bias=bias, temperature=1.3, block_tokens=block_tokens)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     torch.testing.assert_close(token_entropy(z * 1.3, temperature=1.3), want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("block_tokens", [1, 3, None])
+def test_masked_vocabulary_entries_are_exact(block_tokens):
+    """Logits with -inf entries (a vocabulary mask): the log-probs of the tokens left equal the
+    float64 log_softmax, with gradients; the blocks' logsumexp is taken in place over each block."""
+    g = torch.Generator().manual_seed(21)
+    B, T, V = 2, 5, 19
+    logits = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 4
+    logits[torch.rand(B, T, V, generator=g) < 0.4] = float("-inf")
+    logits[..., 0] = 1.0  # every row keeps a token
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        for t in range(T):
+            kept = torch.isfinite(logits[b, t]).nonzero().flatten()
+            ids[b, t] = kept[torch.randint(len(kept), (1,), generator=g)]
+    x = logits.clone().requires_grad_(True)
+    got = token_logprobs(x, ids, temperature=0.9, block_tokens=block_tokens)
+    xr = logits.clone().requires_grad_(True)
+    want = torch.log_softmax(xr / 0.9, -1).gather(-1, ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-12, rtol=0)

@@ -163,9 +163,10 @@ class _GatherLogSoftmax(torch.autograd.Function):
         out_BT = torch.empty(B, T, dtype=acc, device=logits_BTV.device)
         lse_BT = torch.empty_like(out_BT)
         for b, t0, t1 in _blocks(B, T, rows):
-            z_cV = logits_BTV[b, t0:t1].to(acc) / temperature
-            lse_BT[b, t0:t1] = torch.logsumexp(z_cV, dim=-1)
-            out_BT[b, t0:t1] = z_cV.gather(-1, ids_BT[b, t0:t1, None]).squeeze(-1) - lse_BT[b, t0:t1]
+            z_cV = logits_BTV[b, t0:t1].to(acc) / temperature  # a fresh tensor: _block_lse may overwrite it
+            picked_c = z_cV.gather(-1, ids_BT[b, t0:t1, None]).squeeze(-1)
+            lse_BT[b, t0:t1] = _block_lse(z_cV)
+            out_BT[b, t0:t1] = picked_c - lse_BT[b, t0:t1]
         ctx.save_for_backward(logits_BTV, ids_BT, lse_BT)
         ctx.temperature, ctx.rows = temperature, rows
         return out_BT
@@ -202,7 +203,7 @@ class _LinearGatherLogSoftmax(torch.autograd.Function):
             if with_entropy:
                 lse_c, ent_N[t0:t1] = _block_lse_entropy(z_cV, e_buf[: t1 - t0])
             else:
-                lse_c = torch.logsumexp(z_cV, dim=-1)
+                lse_c = _block_lse(z_cV)
             lse_N[t0:t1] = lse_c
             out_N[t0:t1] = picked_c - lse_c
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N, lse_N)
@@ -267,6 +268,14 @@ def _block_logits(
     if bias_V is not None:
         out_cV.add_(bias_V)
     return out_cV if tau == 1.0 else out_cV.div_(tau)
+
+
+def _block_lse(z_cV: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` per row as ``m + log sum exp(z - m)``, the exp written over ``z_cV`` (which the
+    caller no longer needs): ``torch.logsumexp`` computes the same but allocates a temporary of the
+    block's size, 2.7x slower for a 128 MiB block on this CPU (page faults again)."""
+    m_c1 = z_cV.amax(dim=-1, keepdim=True)
+    return m_c1.squeeze(-1) + z_cV.sub_(m_c1).exp_().sum(dim=-1).log()
 
 
 def _block_lse_entropy(
