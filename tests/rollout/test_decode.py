@@ -231,3 +231,23 @@ def test_rms_norm_is_hfs_bit_for_bit(shape):
         assert torch.equal(_rms_norm(x, hf.weight, 1e-6), hf(x))
         xb = x.bfloat16()
         assert torch.equal(_rms_norm(xb, hf.weight.bfloat16(), 1e-6), hf.bfloat16()(xb))
+
+
+def test_a_hook_on_the_head_is_honoured():
+    """The own path's float32 head writes into a reused buffer, unless the head has a hook (or a
+    replaced forward): then the module is called, so the hook still shapes what is sampled."""
+    model, tok = build("qwen2")
+    ids, mask = encode_prompts(tok, PROMPTS)
+    own = OwnDecoder(model)
+    with torch.no_grad():
+        plain, state = own.prefill(ids, mask, 2, ids.shape[1] + 3)
+        first = own.step(plain.argmax(-1), state)
+        assert own._logits_buf is not None and first.data_ptr() == own._logits_buf.data_ptr()
+        handle = model.get_output_embeddings().register_forward_hook(
+            lambda m, i, out: out.index_fill(-1, torch.tensor([5]), 1e4)
+        )
+        try:
+            hooked = own.step(first.argmax(-1), state)
+        finally:
+            handle.remove()
+    assert bool((hooked.argmax(-1) == 5).all()) and hooked.data_ptr() != own._logits_buf.data_ptr()

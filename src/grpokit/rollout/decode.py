@@ -147,6 +147,7 @@ class OwnDecoder:
                 )
             )
         self.cos = self.sin = None  # [C, D] rotary tables (sin signed, see _signed), made at the prompt pass
+        self._logits_buf: torch.Tensor | None = None  # see _logits
 
     def prefill(
         self, ids_PL: torch.Tensor, mask_PL: torch.Tensor, group_size: int, capacity: int
@@ -198,7 +199,24 @@ class OwnDecoder:
         state.key_mask, state.positions = state.key_mask[keep_b], state.positions[keep_b]
 
     def _logits(self, hidden_bd: torch.Tensor) -> torch.Tensor:
-        return self.head(_rms_norm(hidden_bd, self.norm, self.eps))
+        """The next-token logits [b, V]. A plain float32 head (no autocast, no hook, forward not
+        replaced) writes into one buffer reused by every step, valid until the next call: a fresh
+        [64, 151936] tensor per step costs its page faults again (66.7 vs 54.3 ms per step)."""
+        h_bd = _rms_norm(hidden_bd, self.norm, self.eps)
+        head = self.head
+        plain = (
+            h_bd.dtype == head.weight.dtype == torch.float32
+            and "forward" not in vars(head)
+            and not (head._forward_hooks or head._forward_pre_hooks)
+            and not torch.is_autocast_enabled(h_bd.device.type)
+        )
+        if not plain:
+            return head(h_bd)
+        b, V = h_bd.shape[0], head.weight.shape[0]
+        if self._logits_buf is None or self._logits_buf.shape[0] < b:
+            self._logits_buf = h_bd.new_empty((b, V))
+        out_bV = torch.matmul(h_bd, head.weight.t(), out=self._logits_buf[:b])
+        return out_bV if head.bias is None else out_bV.add_(head.bias)
 
     def _forward(self, ids, positions, attend, keys, values, start: int, prefill: bool = False):
         b, Q = ids.shape
