@@ -162,8 +162,9 @@ class _GatherLogSoftmax(torch.autograd.Function):
         acc = _acc_dtype(logits_BTV.dtype)
         out_BT = torch.empty(B, T, dtype=acc, device=logits_BTV.device)
         lse_BT = torch.empty_like(out_BT)
+        z_buf = _block_buffer(min(rows, T), logits_BTV)
         for b, t0, t1 in _blocks(B, T, rows):
-            z_cV = logits_BTV[b, t0:t1].to(acc) / temperature  # a fresh tensor: _block_lse may overwrite it
+            z_cV = _tempered(logits_BTV[b, t0:t1], temperature, z_buf[: t1 - t0])
             picked_c = z_cV.gather(-1, ids_BT[b, t0:t1, None]).squeeze(-1)
             lse_BT[b, t0:t1] = _block_lse(z_cV)
             out_BT[b, t0:t1] = picked_c - lse_BT[b, t0:t1]
@@ -177,11 +178,13 @@ class _GatherLogSoftmax(torch.autograd.Function):
         tau = ctx.temperature
         grad_logits_BTV = torch.empty_like(logits_BTV)
         B, T, _ = logits_BTV.shape
+        z_buf = _block_buffer(min(ctx.rows, T), logits_BTV)
         for b, t0, t1 in _blocks(B, T, ctx.rows):
             g_c1 = grad_BT[b, t0:t1, None].to(lse_BT.dtype)
-            p_cV = torch.exp(logits_BTV[b, t0:t1].to(lse_BT.dtype) / tau - lse_BT[b, t0:t1, None])
-            g_cV = p_cV.mul_(-g_c1).scatter_add_(-1, ids_BT[b, t0:t1, None], g_c1).div_(tau)
-            grad_logits_BTV[b, t0:t1] = g_cV
+            z_cV = _tempered(logits_BTV[b, t0:t1], tau, z_buf[: t1 - t0])
+            p_cV = z_cV.sub_(lse_BT[b, t0:t1, None]).exp_()
+            g_cV = p_cV.mul_(-g_c1).scatter_add_(-1, ids_BT[b, t0:t1, None], g_c1)
+            grad_logits_BTV[b, t0:t1] = g_cV if tau == 1.0 else g_cV.div_(tau)
         return grad_logits_BTV, None, None, None
 
 
@@ -194,7 +197,7 @@ class _LinearGatherLogSoftmax(torch.autograd.Function):
         out_N = torch.empty(N, dtype=_acc_dtype(hidden_NH.dtype), device=hidden_NH.device)
         lse_N = torch.empty_like(out_N)
         ent_N = torch.empty_like(out_N) if with_entropy else None
-        z_buf = _block_buffer(hidden_NH, weight_VH, rows)
+        z_buf = _block_buffer(min(rows, N), hidden_NH, weight_VH.shape[0])
         e_buf = torch.empty_like(z_buf) if with_entropy else None
         for t0 in range(0, N, rows):
             t1 = min(t0 + rows, N)
@@ -223,7 +226,7 @@ class _LinearGatherLogSoftmax(torch.autograd.Function):
         grad_w_VH = torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_w else None
         grad_b_V = torch.zeros(weight_VH.shape[0], dtype=acc, device=weight_VH.device) if need_b else None
         N = hidden_NH.shape[0]
-        z_buf = _block_buffer(hidden_NH, weight_VH, rows)
+        z_buf = _block_buffer(min(rows, N), hidden_NH, weight_VH.shape[0])
         for t0 in range(0, N, rows):
             t1 = min(t0 + rows, N)
             h_cH = hidden_NH[t0:t1]
@@ -245,12 +248,20 @@ class _LinearGatherLogSoftmax(torch.autograd.Function):
         return grad_h_NH, grad_w, grad_b, None, None, None, None
 
 
-def _block_buffer(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, rows: int) -> torch.Tensor:
-    """One ``[rows, V]`` block of logits in the accumulation dtype, reused by every block of a pass:
-    a fresh block per iteration costs its page faults again on the CPU (tens of MiB are mmapped and
-    returned by malloc each time), a third of the head's forward time at a 152k vocabulary."""
-    shape = (min(rows, hidden_NH.shape[0]), weight_VH.shape[0])
-    return torch.empty(shape, dtype=_acc_dtype(hidden_NH.dtype), device=hidden_NH.device)
+def _block_buffer(rows: int, like: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    """One ``[rows, V]`` block (V: ``vocab``, else ``like``'s last dim) in the accumulation dtype of
+    ``like``, reused by every block of a pass: a fresh block per iteration costs its page faults
+    again on the CPU (tens of MiB are mmapped and returned by malloc each time), a third of the
+    head's forward time at a 152k vocabulary."""
+    shape = (rows, like.shape[-1] if vocab is None else vocab)
+    return torch.empty(shape, dtype=_acc_dtype(like.dtype), device=like.device)
+
+
+def _tempered(logits_cV: torch.Tensor, tau: float, out_cV: torch.Tensor) -> torch.Tensor:
+    """``logits / tau`` in the accumulation dtype, written into ``out_cV`` (the upcast is exact, so
+    this is ``logits.to(acc) / tau``)."""
+    out_cV.copy_(logits_cV)
+    return out_cV if tau == 1.0 else out_cV.div_(tau)
 
 
 def _block_logits(
@@ -286,7 +297,7 @@ def _block_lse_entropy(
     one exp pass serves both. Overwrites ``z_cV`` (with ``z - m``); ``e`` goes to ``e_out`` if given."""
     m_c1 = z_cV.amax(dim=-1, keepdim=True)
     zm_cV = z_cV.sub_(m_c1)
-    e_cV = torch.exp(zm_cV, out=e_out) if e_out is not None else torch.exp(zm_cV)
+    e_cV = torch.exp(zm_cV, out=e_out)
     s_c = e_cV.sum(dim=-1)
     log_s_c = s_c.log()
     return m_c1.squeeze(-1) + log_s_c, log_s_c - e_cV.mul_(zm_cV).sum(dim=-1).div_(s_c)
@@ -319,9 +330,12 @@ def token_entropy(
     B, T, V = logits.shape
     acc = _acc_dtype(logits.dtype)
     out_BT = torch.empty(B, T, dtype=acc, device=logits.device)
-    for b, t0, t1 in _blocks(B, T, _block_rows(V, block_tokens)):
-        z_cV = logits[b, t0:t1].to(acc) / temperature
-        out_BT[b, t0:t1] = _block_lse_entropy(z_cV)[1]
+    rows = _block_rows(V, block_tokens)
+    z_buf = _block_buffer(min(rows, T), logits)
+    e_buf = torch.empty_like(z_buf)
+    for b, t0, t1 in _blocks(B, T, rows):
+        z_cV = _tempered(logits[b, t0:t1], temperature, z_buf[: t1 - t0])
+        out_BT[b, t0:t1] = _block_lse_entropy(z_cV, e_buf[: t1 - t0])[1]
     return out_BT
 
 
@@ -348,7 +362,7 @@ def hidden_token_entropy(
     B, T, H = hidden.shape
     h_NH, rows = hidden.reshape(B * T, H), _block_rows(weight.shape[0], block_tokens)
     out_N = torch.empty(B * T, dtype=_acc_dtype(hidden.dtype), device=hidden.device)
-    z_buf = _block_buffer(h_NH, weight, rows)
+    z_buf = _block_buffer(min(rows, B * T), h_NH, weight.shape[0])
     e_buf = torch.empty_like(z_buf)
     for t0 in range(0, B * T, rows):
         t1 = min(t0 + rows, B * T)
