@@ -128,6 +128,86 @@ def test_hidden_token_logprobs_mask_and_entropy(block_tokens, tau):
         hidden_token_logprobs(h, w, ids, mask=mask.long())
 
 
+def _separable_loss(logp_BT, adv_B, mask_BT):
+    # a GRPO-like per-token loss: -(pi / sg(pi)) A + 0.3 k3(pi, ref) + 0.05 logp^2, log ref = sg(logp) - 0.2
+    ratio = torch.exp(logp_BT - logp_BT.detach())
+    log_ref = logp_BT.detach() - 0.2
+    kl = torch.exp(log_ref - logp_BT) - (log_ref - logp_BT) - 1.0
+    per_token = -ratio * adv_B[:, None] + 0.3 * kl + 0.05 * logp_BT**2
+    return torch.where(mask_BT, per_token, 0.0).sum() / mask_BT.sum()
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("block_tokens", [1, 5, None])
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_loss_grad_in_the_forward_blocks_equals_the_float64_reference(
+    with_bias, block_tokens, tau, with_entropy, monkeypatch
+):
+    # with loss_grad the head's gradients come out of the forward blocks (no recompute in backward):
+    # the same values and gradients as autograd through the full float64 logits
+    import grpokit.algo.logprobs as lp
+
+    monkeypatch.setattr(lp, "_recompute_grads", None)  # the backward must not need it
+    g = torch.Generator().manual_seed(21)
+    B, T, H, V = 3, 6, 5, 19
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    bias = torch.randn(V, generator=g, dtype=torch.float64) if with_bias else None
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.7
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    calls = []
+
+    def loss_grad(index_c, logp_c):
+        calls.append(index_c.clone())
+        x = logp_c.detach().requires_grad_()
+        with torch.enable_grad():
+            full = torch.zeros(B * T, dtype=x.dtype).index_put((index_c,), x).view(B, T)
+            (grad,) = torch.autograd.grad(_separable_loss(full, adv, mask), x)
+        return grad
+
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight) + ((bias,) if with_bias else ())]
+    h, w, b = leaves[0], leaves[1], leaves[2] if with_bias else None
+    out = hidden_token_logprobs(h, w, ids, bias=b, temperature=tau, block_tokens=block_tokens, mask=mask,
+                                return_entropy=with_entropy, loss_grad=loss_grad)  # fmt: skip
+    logp = out[0] if with_entropy else out
+    assert torch.equal(torch.cat(calls), mask.reshape(-1).nonzero().squeeze(-1))  # each kept token once
+    refs = [t.clone().requires_grad_() for t in (hidden, weight) + ((bias,) if with_bias else ())]
+    z = (refs[0] @ refs[1].t() + (refs[2] if with_bias else 0)) / tau
+    want = torch.where(mask, torch.log_softmax(z, -1).gather(-1, ids[..., None]).squeeze(-1), 0.0)
+    torch.testing.assert_close(logp, want, atol=1e-12, rtol=0)
+    _separable_loss(logp, adv, mask).backward()
+    _separable_loss(want, adv, mask).backward()
+    for x, y in zip(leaves, refs, strict=True):
+        torch.testing.assert_close(x.grad, y.grad, atol=1e-12, rtol=0)
+
+
+def test_loss_grad_that_breaks_its_promise_still_gives_the_true_gradient(monkeypatch):
+    # the backward compares the gradient it receives with the one loss_grad gave; a different loss
+    # (here 2x it, and another) falls back to recomputing the blocks: the true gradient either way
+    import grpokit.algo.logprobs as lp
+
+    g = torch.Generator().manual_seed(22)
+    hidden = torch.randn(2, 4, 3, generator=g, dtype=torch.float64)
+    weight = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 7, (2, 4), generator=g)
+    recomputed = []
+    real = lp._recompute_grads
+    monkeypatch.setattr(lp, "_recompute_grads", lambda *a: recomputed.append(1) or real(*a))
+    promised = lambda index_c, logp_c: torch.ones_like(logp_c)  # noqa: E731  d(sum logp)/d logp
+    for loss, fallback in [(lambda lp_: lp_.sum(), False), (lambda lp_: 2 * lp_.sum(), True),
+                           (lambda lp_: (lp_**2).sum(), True)]:  # fmt: skip
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss(hidden_token_logprobs(h, w, ids, block_tokens=3, loss_grad=promised)).backward()
+        hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss(torch.log_softmax(hr @ wr.t(), -1).gather(-1, ids[..., None]).squeeze(-1)).backward()
+        torch.testing.assert_close(h.grad, hr.grad, atol=1e-12, rtol=0)
+        torch.testing.assert_close(w.grad, wr.grad, atol=1e-12, rtol=0)
+        assert recomputed == ([1] if fallback else [])
+        recomputed.clear()
+
+
 def test_hidden_gradcheck_float64():
     g = torch.Generator().manual_seed(12)
     hidden = torch.randn(1, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)

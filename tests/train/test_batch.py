@@ -137,6 +137,78 @@ def test_log_probs_from_hidden_states_equal_the_logits_path(batch64, aggregation
     assert "forward" not in model.get_output_embeddings().__dict__  # the head is restored
 
 
+FUSED_LOSSES = [
+    dict(aggregation="seq_mean_token_mean"),
+    dict(aggregation="token_mean", beta=0.1, kl_kind="k1"),
+    dict(aggregation="seq_mean_token_sum_norm", beta=0.1, kl_kind="k2", max_completion_length=7),
+    dict(aggregation="bnpo", beta=0.1, kl_kind="k3"),
+    dict(surrogate="clip", clip_high=0.28, delta=1.5, beta=0.05),
+    dict(surrogate="cispo", cispo_max_ratio=1.02),
+    dict(surrogate="sapo"),
+]
+
+
+@pytest.mark.parametrize("spec", FUSED_LOSSES, ids=lambda d: "-".join(f"{v}" for v in d.values()))
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_loss_gradient_in_the_head_blocks_equals_the_logits_path(batch64, spec, off_policy, monkeypatch):
+    # a token-separable loss takes the head's gradients inside the forward blocks (no block is
+    # recomputed in backward): every parameter's gradient equals the full-logits path in float64,
+    # with pi_old given (ratios != 1, clips active) or the pass's own, IS weights, several micro-batches
+    import grpokit.algo.logprobs as lp
+
+    model, _, batch = batch64
+    B, T = batch.completion_ids.shape
+    g = torch.Generator().manual_seed(5)
+    old = None
+    if off_policy:  # ratios spread around 1, beyond both clip bounds
+        old = batch_logprobs(model, batch, [list(range(B))], 0, 0.8)
+        old = old + 0.3 * torch.randn(old.shape, generator=g, dtype=old.dtype)
+    kw = dict(
+        loss=LossSpec(**spec), old_logp=old, ref_logp=None if old is None else old + 0.1, temperature=0.8,
+        is_weights=torch.rand(B, T, generator=g, dtype=torch.float64) + 0.5 if off_policy else None,
+    )  # fmt: skip
+    if LossSpec(**spec).beta > 0 and old is None:
+        kw["ref_logp"] = batch_logprobs(model, batch, [list(range(B))], 0, 0.8) + 0.1
+    plan = plan_micro_batches(batch.total_lengths(), 5)
+    assert len(plan) > 1
+    model.zero_grad(set_to_none=True)
+    want_stats = accumulate_policy_gradient(model, batch, plan, 0, fused_head=False, **kw)
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(lp, "_recompute_grads", None)  # the fused path must not recompute
+    stats = accumulate_policy_gradient(model, batch, plan, 0, fused_head=True, **kw)
+    assert stats.loss == pytest.approx(want_stats.loss, rel=1e-10)
+    assert stats.clip_fraction == want_stats.clip_fraction
+    if off_policy and spec.get("surrogate", "clip") == "clip":
+        assert stats.clip_fraction > 0  # the clip is exercised
+    for a, b in zip((p.grad for p in model.parameters()), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["sequence_ratio", "entropy_top_q"])
+def test_losses_that_are_not_token_separable_recompute_the_head_in_backward(batch64, case, monkeypatch):
+    # GSPO's ratio couples a completion's tokens and the entropy mask needs every entropy first:
+    # the head's gradient then comes from the backward's recompute, one per micro-batch
+    import grpokit.algo.logprobs as lp
+
+    model, _, batch = batch64
+    B = batch.num_rows
+    old = batch_logprobs(model, batch, [list(range(B))], 0, 1.0) - 0.05
+    kw = dict(loss=LossSpec(ratio_level="sequence" if case == "sequence_ratio" else "token"), old_logp=old,
+              temperature=1.0, entropy_top_q=0.5 if case == "entropy_top_q" else None)  # fmt: skip
+    plan = plan_micro_batches(batch.total_lengths(), 5)
+    model.zero_grad(set_to_none=True)
+    accumulate_policy_gradient(model, batch, plan, 0, fused_head=False, **kw)
+    want = [p.grad.clone() for p in model.parameters()]
+    calls, real = [], lp._recompute_grads
+    monkeypatch.setattr(lp, "_recompute_grads", lambda *a: calls.append(1) or real(*a))
+    model.zero_grad(set_to_none=True)
+    accumulate_policy_gradient(model, batch, plan, 0, fused_head=True, **kw)
+    assert len(calls) == len(plan)
+    for a, b in zip((p.grad for p in model.parameters()), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
 def test_models_outside_the_whitelist_keep_the_logits_path():
     from transformers import GPT2Config, GPT2LMHeadModel
 

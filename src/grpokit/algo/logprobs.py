@@ -21,7 +21,12 @@ Shape legend: B sequences, T tokens, V vocabulary, H hidden size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# dloss/dlogp for one block of tokens: (their flat positions [c], their log-probs [c]) -> [c]
+LossGrad = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Rows of float32 [rows, V] per block: about 128 MiB per block whatever the vocabulary
 # (220 tokens at 152k: the head's matmul runs 15% faster than at 64 MiB on this CPU).
@@ -65,6 +70,7 @@ def hidden_token_logprobs(
     block_tokens: int | None = None,
     mask: torch.Tensor | None = None,
     return_entropy: bool = False,
+    loss_grad: LossGrad | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Token log-probs straight from hidden states and the LM head: logits never exist in full.
 
@@ -85,6 +91,14 @@ def hidden_token_logprobs(
             elsewhere the log-prob (and entropy) is 0 and no gradient flows.
         return_entropy: also return each token's entropy (no gradient), computed from the same
             block of logits as the log-prob (:func:`hidden_token_entropy` without a second pass).
+        loss_grad: for a loss that is a sum of per-token terms, each depending on its own token's
+            log-prob only, ``loss_grad(index_c, logp_c) -> dloss/dlogp_c`` for one block of tokens
+            (``index_c``: their positions in the flattened ``B * T``). The head's gradients are
+            then computed inside the forward blocks from the logits already there, and the
+            backward has no block to recompute (Liger-Kernel's fused linear loss): three head
+            matmuls per block instead of four. The backward checks that the gradient it receives
+            equals, bit for bit, what ``loss_grad`` returned; otherwise it recomputes as without
+            ``loss_grad``, so a wrong promise costs time, never a wrong gradient.
 
     Returns:
         ``[B, T]`` log-probabilities in float32 (float64 for float64 inputs), differentiable with
@@ -107,8 +121,11 @@ def hidden_token_logprobs(
     keep_K = None if mask is None else mask.reshape(B * T).nonzero().squeeze(-1)
     if keep_K is not None:
         h_NH, ids_N = h_NH.index_select(0, keep_K), ids_N.index_select(0, keep_K)
+    index_N = None
+    if loss_grad is not None:
+        index_N = keep_K if keep_K is not None else torch.arange(B * T, device=ids_N.device)
     logp_N, ent_N = _LinearGatherLogSoftmax.apply(
-        h_NH, weight, bias, ids_N, float(temperature), rows, return_entropy
+        h_NH, weight, bias, ids_N, float(temperature), rows, return_entropy, loss_grad, index_N
     )
 
     def unflatten(x_K: torch.Tensor) -> torch.Tensor:  # masked-out positions hold 0
@@ -189,28 +206,40 @@ class _GatherLogSoftmax(torch.autograd.Function):
 
 
 class _LinearGatherLogSoftmax(torch.autograd.Function):
-    """Over flattened tokens: hidden ``[N, H]``, ids ``[N]``, blocks of ``rows`` tokens."""
+    """Over flattened tokens: hidden ``[N, H]``, ids ``[N]``, blocks of ``rows`` tokens. With
+    ``loss_grad`` the forward also computes the head's gradients (see ``hidden_token_logprobs``)."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, bias_V, ids_N, temperature, rows, with_entropy):
+    def forward(
+        ctx, hidden_NH, weight_VH, bias_V, ids_N, temperature, rows, with_entropy, loss_grad, index_N
+    ):
         N = hidden_NH.shape[0]
-        out_N = torch.empty(N, dtype=_acc_dtype(hidden_NH.dtype), device=hidden_NH.device)
+        acc = _acc_dtype(hidden_NH.dtype)
+        out_N = torch.empty(N, dtype=acc, device=hidden_NH.device)
         lse_N = torch.empty_like(out_N)
         ent_N = torch.empty_like(out_N) if with_entropy else None
         z_buf = _block_buffer(min(rows, N), hidden_NH, weight_VH.shape[0])
         e_buf = torch.empty_like(z_buf) if with_entropy else None
+        grads = _HeadGrads(hidden_NH, weight_VH, bias_V) if loss_grad is not None else None
         for t0 in range(0, N, rows):
             t1 = min(t0 + rows, N)
             z_cV = _block_logits(hidden_NH[t0:t1], weight_VH, bias_V, temperature, z_buf[: t1 - t0])
             picked_c = z_cV.gather(-1, ids_N[t0:t1, None]).squeeze(-1)
             if with_entropy:
-                lse_c, ent_N[t0:t1] = _block_lse_entropy(z_cV, e_buf[: t1 - t0])
+                lse_c, ent_N[t0:t1], s_c = _block_lse_entropy(z_cV, e_buf[: t1 - t0])
+                e_cV = e_buf[: t1 - t0]
             else:
-                lse_c = _block_lse(z_cV)
+                lse_c, s_c = _block_lse_exp(z_cV)
+                e_cV = z_cV
             lse_N[t0:t1] = lse_c
             out_N[t0:t1] = picked_c - lse_c
+            if grads is not None:  # softmax = e / s, already in the buffer
+                g_c = loss_grad(index_N[t0:t1], out_N[t0:t1]).to(acc)
+                grads.g_N[t0:t1] = g_c
+                g_cV = e_cV.mul_((-g_c / s_c)[:, None]).scatter_add_(-1, ids_N[t0:t1, None], g_c[:, None])
+                grads.add(t0, t1, g_cV if temperature == 1.0 else g_cV.div_(temperature))
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, ids_N, lse_N)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.temperature, ctx.rows, ctx.grads = temperature, rows, grads
         if with_entropy:
             ctx.mark_non_differentiable(ent_N)
         return out_N, ent_N
@@ -218,34 +247,62 @@ class _LinearGatherLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_N, _grad_ent):
         hidden_NH, weight_VH, bias_V, ids_N, lse_N = ctx.saved_tensors
-        tau, rows = ctx.temperature, ctx.rows
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h_NH = torch.empty_like(hidden_NH) if need_h else None
+        grads, ctx.grads = ctx.grads, None
+        need = ctx.needs_input_grad[:3]
+        if grads is None or not torch.equal(grad_N.to(grads.g_N.dtype), grads.g_N):
+            grads = _recompute_grads(hidden_NH, weight_VH, bias_V, ids_N, lse_N, grad_N, ctx.temperature,
+                                     ctx.rows, need)  # fmt: skip
+        return *grads.result(*need), None, None, None, None, None, None
+
+
+def _recompute_grads(hidden_NH, weight_VH, bias_V, ids_N, lse_N, grad_N, tau, rows, need) -> _HeadGrads:
+    """The head's gradients for the incoming ``grad_N``, each block's logits computed again."""
+    grads = _HeadGrads(hidden_NH, weight_VH, bias_V, *need)
+    N = hidden_NH.shape[0]
+    z_buf = _block_buffer(min(rows, N), hidden_NH, weight_VH.shape[0])
+    for t0 in range(0, N, rows):
+        t1 = min(t0 + rows, N)
+        g_c1 = grad_N[t0:t1, None].to(lse_N.dtype)
+        z_cV = _block_logits(hidden_NH[t0:t1], weight_VH, bias_V, tau, z_buf[: t1 - t0])
+        p_cV = z_cV.sub_(lse_N[t0:t1, None]).exp_()
+        # d logp / d logits = (onehot - softmax) / tau, times the incoming gradient
+        g_cV = p_cV.mul_(-g_c1).scatter_add_(-1, ids_N[t0:t1, None], g_c1)
+        grads.add(t0, t1, g_cV if tau == 1.0 else g_cV.div_(tau))
+    return grads
+
+
+class _HeadGrads:
+    """The gradients of hidden, head weight and bias, filled block by block from each block's
+    ``d loss / d logits`` (``[c, V]``, the accumulation dtype)."""
+
+    def __init__(self, hidden_NH, weight_VH, bias_V, need_h=None, need_w=None, need_b=None) -> None:
+        self.hidden, self.weight = hidden_NH, weight_VH
+        need_h = hidden_NH.requires_grad if need_h is None else need_h
+        need_w = weight_VH.requires_grad if need_w is None else need_w
+        need_b = bias_V is not None and (bias_V.requires_grad if need_b is None else need_b)
+        acc = _acc_dtype(hidden_NH.dtype)
+        self.g_N = torch.empty(hidden_NH.shape[0], dtype=acc, device=hidden_NH.device)
+        self.h = torch.empty_like(hidden_NH) if need_h else None
         # Accumulate the LM-head gradient in float32 across blocks: summing bf16 partials loses bits.
-        acc = lse_N.dtype
-        grad_w_VH = torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_w else None
-        grad_b_V = torch.zeros(weight_VH.shape[0], dtype=acc, device=weight_VH.device) if need_b else None
-        N = hidden_NH.shape[0]
-        z_buf = _block_buffer(min(rows, N), hidden_NH, weight_VH.shape[0])
-        for t0 in range(0, N, rows):
-            t1 = min(t0 + rows, N)
-            h_cH = hidden_NH[t0:t1]
-            g_c1 = grad_N[t0:t1, None].to(acc)
-            z_cV = _block_logits(h_cH, weight_VH, bias_V, tau, z_buf[: t1 - t0])
-            p_cV = z_cV.sub_(lse_N[t0:t1, None]).exp_()
-            # d logp / d logits = (onehot - softmax) / tau, times the incoming gradient
-            g_cV = p_cV.mul_(-g_c1).scatter_add_(-1, ids_N[t0:t1, None], g_c1)
-            if tau != 1.0:
-                g_cV.div_(tau)
-            if need_h:
-                grad_h_NH[t0:t1] = (g_cV.to(weight_VH.dtype) @ weight_VH).to(hidden_NH.dtype)
-            if need_w:
-                grad_w_VH.addmm_(g_cV.t(), h_cH.to(acc))
-            if need_b:
-                grad_b_V += g_cV.sum(dim=0)
-        grad_w = grad_w_VH.to(weight_VH.dtype) if need_w else None
-        grad_b = grad_b_V.to(bias_V.dtype) if need_b else None
-        return grad_h_NH, grad_w, grad_b, None, None, None, None
+        self.w = torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_w else None
+        self.b = torch.zeros(weight_VH.shape[0], dtype=acc, device=weight_VH.device) if need_b else None
+        self.bias_dtype = None if bias_V is None else bias_V.dtype
+
+    def add(self, t0: int, t1: int, g_cV: torch.Tensor) -> None:
+        h_cH = self.hidden[t0:t1]
+        if self.h is not None:
+            self.h[t0:t1] = (g_cV.to(self.weight.dtype) @ self.weight).to(self.hidden.dtype)
+        if self.w is not None:
+            self.w.addmm_(g_cV.t(), h_cH.to(g_cV.dtype))
+        if self.b is not None:
+            self.b += g_cV.sum(dim=0)
+
+    def result(self, need_h: bool, need_w: bool, need_b: bool) -> tuple:
+        return (
+            self.h if need_h else None,
+            self.w.to(self.weight.dtype) if need_w and self.w is not None else None,
+            self.b.to(self.bias_dtype) if need_b and self.b is not None else None,
+        )
 
 
 def _block_buffer(rows: int, like: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
@@ -285,22 +342,30 @@ def _block_lse(z_cV: torch.Tensor) -> torch.Tensor:
     """``logsumexp`` per row as ``m + log sum exp(z - m)``, the exp written over ``z_cV`` (which the
     caller no longer needs): ``torch.logsumexp`` computes the same but allocates a temporary of the
     block's size, 2.7x slower for a 128 MiB block on this CPU (page faults again)."""
+    return _block_lse_exp(z_cV)[0]
+
+
+def _block_lse_exp(z_cV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_block_lse` and ``s = sum exp(z - m)`` per row; ``z_cV`` then holds ``e = exp(z - m)``,
+    so ``e / s`` is the block's softmax."""
     m_c1 = z_cV.amax(dim=-1, keepdim=True)
-    return m_c1.squeeze(-1) + z_cV.sub_(m_c1).exp_().sum(dim=-1).log()
+    s_c = z_cV.sub_(m_c1).exp_().sum(dim=-1)
+    return m_c1.squeeze(-1) + s_c.log(), s_c
 
 
 def _block_lse_entropy(
     z_cV: torch.Tensor, e_out: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of a block of (tempered) logits, ``lse = m + log s`` and the entropy
-    ``H = log s - sum_v e_v (z_v - m) / s`` with ``m = max z``, ``e = exp(z - m)``, ``s = sum e``:
-    one exp pass serves both. Overwrites ``z_cV`` (with ``z - m``); ``e`` goes to ``e_out`` if given."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of a block of (tempered) logits, ``lse = m + log s``, the entropy
+    ``H = log s - sum_v e_v (z_v - m) / s`` and ``s``, with ``m = max z``, ``e = exp(z - m)``,
+    ``s = sum e``: one exp pass serves both. Overwrites ``z_cV``; ``e`` is left in ``e_out`` if
+    given (``e / s`` is the block's softmax)."""
     m_c1 = z_cV.amax(dim=-1, keepdim=True)
     zm_cV = z_cV.sub_(m_c1)
     e_cV = torch.exp(zm_cV, out=e_out)
     s_c = e_cV.sum(dim=-1)
     log_s_c = s_c.log()
-    return m_c1.squeeze(-1) + log_s_c, log_s_c - e_cV.mul_(zm_cV).sum(dim=-1).div_(s_c)
+    return m_c1.squeeze(-1) + log_s_c, log_s_c - zm_cV.mul_(e_cV).sum(dim=-1).div_(s_c), s_c
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -272,6 +272,14 @@ class LossSpec:
     def kwargs(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    @property
+    def token_separable(self) -> bool:
+        """Whether the loss is a sum of per-token terms, each a function of its own token's log-prob
+        (and constants): every option except GSPO's sequence ratio, which couples a completion's
+        tokens. Such a loss's gradient can be taken block by block
+        (``hidden_token_logprobs(loss_grad=...)``)."""
+        return self.ratio_level == "token"
+
 
 # --------------------------------------------------------------------------------------------
 # The loss.

@@ -39,6 +39,7 @@ from grpokit.algo import (
     token_logprobs,
 )
 from grpokit.algo.correction import mismatch_stats
+from grpokit.algo.logprobs import LossGrad
 from grpokit.models.loading import accepts_kwarg, head_returns_hidden
 from grpokit.rollout.sampler import Rollout
 from grpokit.train.distributed import Dist, grad_sync
@@ -264,7 +265,12 @@ def collate_packed(batch: TrainBatch, rows: list[int], pad_id: int, device: torc
 
 
 def completion_logprobs(
-    model, mb: MicroBatch, temperature: float, with_entropy: bool = False, fused_head: bool = False
+    model,
+    mb: MicroBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    fused_head: bool = False,
+    loss_grad: LossGrad | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[b, T']`` of the completion tokens (and their entropies) under ``model``.
 
@@ -273,7 +279,8 @@ def completion_logprobs(
     ``fused_head`` (``models.loading.fused_head_reason`` says the model allows it) the head returns
     the hidden states instead and ``hidden_token_logprobs`` projects the completion-mask tokens
     block by block, in float32 outside autocast: the [b, T', V] logits and their gradient never
-    exist, and the log-prob (and entropy) of a padded position is 0.
+    exist, and the log-prob (and entropy) of a padded position is 0. ``loss_grad`` (fused head
+    only; :func:`token_loss_grad`) computes the head's gradients in the same blocks.
     """
     T = mb.completion_ids.shape[1]
     kw = {"logits_to_keep": T + 1} if accepts_kwarg(model, "logits_to_keep") else {}
@@ -303,7 +310,7 @@ def completion_logprobs(
         # only the loss's tokens are projected (padding costs nothing); entropy from the same blocks
         out = hidden_token_logprobs(
             hidden, weight, mb.completion_ids, bias=bias, temperature=temperature,
-            mask=mb.completion_mask, return_entropy=with_entropy,
+            mask=mb.completion_mask, return_entropy=with_entropy, loss_grad=loss_grad,
         )  # fmt: skip
     return out if with_entropy else (out, None)
 
@@ -428,16 +435,27 @@ def _micro_batch_backward(
     dummy = not rows
     rows = rows or [0]
     mb = collate(batch, rows, pad_id, device, packed)
-    logp, entropy = completion_logprobs(model, mb, temperature, with_entropy=True, fused_head=fused_head)
-    T = logp.shape[1]
-    old = logp.detach() if old_logp is None else old_logp[rows, :T].to(device)
+    T = mb.completion_ids.shape[1]
+    old = None if old_logp is None else old_logp[rows, :T].to(device)
     ref = None if ref_logp is None else ref_logp[rows, :T].to(device)
     adv = batch.advantages[rows].to(device)
+    weights = None if is_weights is None else is_weights[rows, :T].to(device)
+    # DDP / FSDP average the ranks' gradients; each rank's loss is already normalised by the global
+    # counts, so scaling by the world size makes the average the whole batch's gradient.
+    scale = 0.0 if dummy else float(world_size)
+    # the entropy-top-q mask needs every token's entropy before any gradient: no fused loss then
+    fused_loss = fused_head and spec.token_separable and entropy_top_q is None
+    loss_grad = None
+    if fused_loss:
+        loss_grad = token_loss_grad(spec, counts, mb.completion_mask, old, ref, adv, weights, scale)
+    logp, entropy = completion_logprobs(
+        model, mb, temperature, with_entropy=True, fused_head=fused_head, loss_grad=loss_grad
+    )
+    old = logp.detach() if old is None else old
     pg_mask = None
     if entropy_top_q is not None and bool(mb.completion_mask.any()):
         threshold = torch.quantile(entropy[mb.completion_mask].float(), 1.0 - entropy_top_q)
         pg_mask = mb.completion_mask & (entropy >= threshold)
-    weights = None if is_weights is None else is_weights[rows, :T].to(device)
     loss, m = policy_loss(
         logp, old, adv, mb.completion_mask, ref_logp=ref, pg_mask=pg_mask, is_weights=weights,
         **spec.kwargs(), **counts,
@@ -459,9 +477,7 @@ def _micro_batch_backward(
             },
             dump_path,
         )
-    # DDP / FSDP average the ranks' gradients; each rank's loss is already normalised by the global
-    # counts, so scaling by the world size makes the average the whole batch's gradient.
-    (loss * (0.0 if dummy else float(world_size))).backward()
+    (loss * scale).backward()
     n = int(m["num_tokens"])
     if dummy or n == 0:
         return None
@@ -479,3 +495,38 @@ def _micro_batch_backward(
         "ratio_max": float(m["ratio_max"]),
         **{key: float(m[key]) for key in _TOKEN_METRICS},
     }
+
+
+def token_loss_grad(
+    spec: LossSpec,
+    counts: dict,
+    mask_BT: torch.Tensor,
+    old_BT: torch.Tensor | None,
+    ref_BT: torch.Tensor | None,
+    adv_B: torch.Tensor,
+    weights_BT: torch.Tensor | None,
+    scale: float,
+) -> LossGrad:
+    """``loss_grad`` for :func:`grpokit.algo.hidden_token_logprobs`: the gradient of ``scale x``
+    :func:`policy_loss` (the same call :func:`_micro_batch_backward` then makes) with respect to one
+    block of completion tokens' log-probs, for a ``spec.token_separable`` loss. The block's
+    log-probs go into a ``[B, T]`` tensor whose other tokens hold placeholders (pi_old's log-prob,
+    ratio 1): each token's term depends on its own log-prob only, so their values do not matter,
+    and every tensor has the layout of the final call, so the gradient is the same bit for bit
+    (the head's backward checks that)."""
+    B, T = mask_BT.shape
+
+    def loss_grad(index_c: torch.Tensor, logp_c: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            x_c = logp_c.detach().requires_grad_()
+            base = logp_c.new_zeros(B * T) if old_BT is None else old_BT.reshape(-1).to(logp_c.dtype)
+            logp_BT = base.index_put((index_c,), x_c).view(B, T)
+            old = logp_BT.detach() if old_BT is None else old_BT
+            loss, _ = policy_loss(
+                logp_BT, old, adv_B, mask_BT, ref_logp=ref_BT, is_weights=weights_BT,
+                **spec.kwargs(), **counts,
+            )  # fmt: skip
+            (g_c,) = torch.autograd.grad(loss * scale, x_c)
+        return g_c
+
+    return loss_grad
