@@ -97,7 +97,9 @@ def test_hidden_token_logprobs_value_and_grads(with_bias, block_tokens, temperat
 
 @pytest.mark.parametrize("block_tokens", [1, 5, None])
 @pytest.mark.parametrize("tau", [0.7, 1.0])
-def test_hidden_token_logprobs_mask_and_entropy(block_tokens, tau):
+@pytest.mark.parametrize("piece", [4, 4096])  # the entropy's exp over column pieces (a partial last one)
+def test_hidden_token_logprobs_mask_and_entropy(block_tokens, tau, piece, monkeypatch):
+    monkeypatch.setattr("grpokit.algo.logprobs.ENTROPY_PIECE", piece)
     # masked-out tokens are never projected: log-prob and entropy 0, no gradient; the kept ones equal
     # the float64 naive expression, and so does the entropy returned from the same blocks
     g = torch.Generator().manual_seed(13)
@@ -141,14 +143,16 @@ def _separable_loss(logp_BT, adv_B, mask_BT):
 @pytest.mark.parametrize("block_tokens", [1, 5, None])
 @pytest.mark.parametrize("tau", [1.0, 0.7])
 @pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("piece", [4, 4096])
 def test_loss_grad_in_the_forward_blocks_equals_the_float64_reference(
-    with_bias, block_tokens, tau, with_entropy, monkeypatch
+    with_bias, block_tokens, tau, with_entropy, piece, monkeypatch
 ):
     # with loss_grad the head's gradients come out of the forward blocks (no recompute in backward):
     # the same values and gradients as autograd through the full float64 logits
     import grpokit.algo.logprobs as lp
 
     monkeypatch.setattr(lp, "_recompute_grads", None)  # the backward must not need it
+    monkeypatch.setattr(lp, "ENTROPY_PIECE", piece)
     g = torch.Generator().manual_seed(21)
     B, T, H, V = 3, 6, 5, 19
     hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64)
@@ -268,7 +272,9 @@ def test_bad_inputs(call, match):
 
 
 @pytest.mark.parametrize("block_tokens", [1, None])
-def test_token_entropy_matches_definition(block_tokens):
+@pytest.mark.parametrize("piece", [3, 4096])
+def test_token_entropy_matches_definition(block_tokens, piece, monkeypatch):
+    monkeypatch.setattr("grpokit.algo.logprobs.ENTROPY_PIECE", piece)
     logits, _ = make(6, dtype=torch.float64)
     got = token_entropy(logits, temperature=0.8, block_tokens=block_tokens)
     p = torch.softmax(logits / 0.8, -1)
