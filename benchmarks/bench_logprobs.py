@@ -1,5 +1,9 @@
 """Peak memory and time of token log-probs: naive log_softmax-gather vs grpokit.algo.
 
+``hidden_token_logprobs+loss_grad`` passes the loss's gradient (here the upstream weights) so the
+head's gradients are computed inside the forward blocks, as the trainer does for token-separable
+losses.
+
 Each method runs forward + backward in its own child process, and the child reports the growth of
 its peak resident set (ru_maxrss) over the peak it had once its inputs existed, so the three
 numbers are comparable and measured in one run. CPU only; on a GPU use
@@ -23,7 +27,7 @@ import time
 
 from _common import spread
 
-METHODS = ("naive", "token_logprobs", "hidden_token_logprobs")
+METHODS = ("naive", "token_logprobs", "hidden_token_logprobs", "hidden_token_logprobs+loss_grad")
 
 
 def child(method: str, B: int, T: int, V: int, H: int, dtype_name: str) -> dict:
@@ -37,7 +41,7 @@ def child(method: str, B: int, T: int, V: int, H: int, dtype_name: str) -> dict:
     hidden = torch.randn(B, T, H, dtype=dtype, requires_grad=True)
     weight = (torch.randn(V, H, dtype=dtype) / H**0.5).requires_grad_(True)
     upstream = torch.randn(B, T)
-    if method != "hidden_token_logprobs":
+    if not method.startswith("hidden_token_logprobs"):
         # the model's logits exist in both logits-based methods: count them in the baseline
         with torch.no_grad():
             logits = (hidden @ weight.t()).requires_grad_(True)
@@ -48,8 +52,11 @@ def child(method: str, B: int, T: int, V: int, H: int, dtype_name: str) -> dict:
         logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None]).squeeze(-1)
     elif method == "token_logprobs":
         logp = token_logprobs(logits, ids)
-    else:
+    elif method == "hidden_token_logprobs":
         logp = hidden_token_logprobs(hidden, weight, ids)
+    else:  # the loss's gradient (here: upstream) taken inside the forward blocks
+        flat = upstream.reshape(-1)
+        logp = hidden_token_logprobs(hidden, weight, ids, loss_grad=lambda index_c, _: flat[index_c])
     (logp * upstream).sum().backward()
     seconds = time.perf_counter() - t0
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -29,7 +29,8 @@ mean reward of the first 5 and the last 10 steps.
 ``--floor`` (3M model only) also times, in the parent after both children, the HF model alone on
 the step's shapes: one no-grad forward and one forward + backward over 64 rows of the longest
 prompt plus 16 tokens, the model work any trainer does per step (sampling on top), as a share of
-each trainer's measured step.
+each trainer's measured step; and the step's matmul FLOPs at this CPU's rate on a large square
+matmul, the time no trainer doing the same FLOPs can beat here.
 
 ``--profile`` (needs ``pip install py-spy``) samples each child with py-spy at 100 Hz and prints
 the share of the training loop's samples spent in each phase (sampling, log-prob passes without
@@ -350,11 +351,22 @@ def compute_floor(model_dir: Path, data: Path, max_new: int, reps: int = 7) -> d
         model(ids).logits.sum().backward()
         model.zero_grad(set_to_none=True)
 
+    # The step's matmul FLOPs (2 per weight per token forward, 4 more backward; attention over 22
+    # positions is negligible): the loss's forward + backward, pi_ref's forward, one sampled token
+    # per row per new token. And this CPU's matmul rate on a large square product.
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    rows = ids.shape[0]
+    flops = weights * rows * (6 * length + 2 * length + 2 * max_new)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    rate = 2 * 2048**3 / timed(lambda: torch.matmul(a, b))
     return {
-        "rows": ids.shape[0],
+        "rows": rows,
         "tokens": length,
         "forward": timed(forward),
         "fwd_bwd": timed(forward_backward),
+        "matmul_weights": weights,
+        "step_gflop": flops / 1e9,
+        "matmul_gflops": rate / 1e9,
     }
 
 
@@ -476,6 +488,13 @@ def main() -> None:
             f"no-grad forward {f['forward']:.3f} s + forward/backward {f['fwd_bwd']:.3f} s = {both:.3f} s"
             + "".join(f" = {both / med[n]:.2f}x {n}'s step" for n in med)
             + " (sampling not included)"
+        )
+        at_peak = f["step_gflop"] / f["matmul_gflops"]
+        print(
+            f"the step's matmuls ({f['matmul_weights'] / 1e6:.2f}M weights; the loss's forward + backward, "
+            f"pi_ref's forward, sampling) are {f['step_gflop']:.1f} GFLOP: {at_peak:.3f} s at this CPU's "
+            f"{f['matmul_gflops']:.0f} GFLOP/s on a 2048-cube matmul"
+            + "".join(f" = {at_peak / med[n]:.2f}x {n}'s step" for n in med)
         )
     if phases:
         print("\nwhere the training loop's time goes (py-spy samples, share of the loop):\n")
