@@ -320,3 +320,30 @@ def test_masked_vocabulary_entries_are_exact(block_tokens):
     got.sum().backward()
     want.sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("piece", [4, 4096])
+def test_entropy_of_a_masked_vocabulary_is_finite_and_exact(piece, monkeypatch):
+    # -inf logits (masked entries, here also through a -inf head bias) have probability 0 and add
+    # 0 log 0 = 0 to the entropy, not 0 * -inf = NaN; float64 reference over the finite entries
+    from grpokit.algo import hidden_token_entropy
+
+    monkeypatch.setattr("grpokit.algo.logprobs.ENTROPY_PIECE", piece)
+    g = torch.Generator().manual_seed(23)
+    hidden = torch.randn(2, 5, 4, generator=g, dtype=torch.float64)
+    weight = torch.randn(19, 4, generator=g, dtype=torch.float64)
+    bias = torch.randn(19, generator=g, dtype=torch.float64)
+    bias[torch.rand(19, generator=g) < 0.4] = float("-inf")
+    bias[0] = 0.0
+    z = (hidden @ weight.t() + bias) / 0.9
+    kept = torch.isfinite(z)
+    p = torch.softmax(z, -1)
+    want = -torch.where(kept, p * torch.log_softmax(z, -1), 0.0).sum(-1)
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    for got in (
+        token_entropy(z * 0.9, temperature=0.9),
+        hidden_token_entropy(hidden, weight, bias=bias, temperature=0.9),
+        hidden_token_logprobs(hidden, weight, ids, bias=bias, temperature=0.9, return_entropy=True)[1],
+    ):
+        assert bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)

@@ -365,11 +365,13 @@ def _block_lse_entropy(z_cV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     s_c = zm_cV.new_zeros(c)
     dot_c = zm_cV.new_zeros(c)
     piece = zm_cV.new_empty((c, min(ENTROPY_PIECE, V)))
+    lowest = torch.finfo(zm_cV.dtype).min
     for v0 in range(0, V, ENTROPY_PIECE):
         zm_cP = zm_cV[:, v0 : v0 + ENTROPY_PIECE]
         e_cP = torch.exp(zm_cP, out=piece[:, : zm_cP.shape[1]])
         s_c += e_cP.sum(dim=-1)
-        dot_c += torch.linalg.vecdot(e_cP, zm_cP)
+        # a -inf logit (a masked vocabulary entry) has e = 0 and adds 0 (0 log 0 = 0), not 0 * -inf
+        dot_c += torch.linalg.vecdot(e_cP, zm_cP.clamp_(min=lowest))
         zm_cP.copy_(e_cP)
     log_s_c = s_c.log()
     return m_c1.squeeze(-1) + log_s_c, log_s_c - dot_c.div_(s_c), s_c
