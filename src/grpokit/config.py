@@ -291,6 +291,13 @@ class TrainConfig:
         "Padding-free micro-batches: each row's prompt + completion laid end to end, position ids "
         "restarting per sequence (Llama, Qwen2/3, Mistral; others pad, the reason printed once).",
     )
+    share_prompts: bool = _f(
+        False,
+        "Compute each prompt once for all of its rows in a micro-batch: one sequence per prompt, "
+        "its completions after it, a 4D mask keeping them apart; the same log-probs and gradients. "
+        "Used where it saves FLOPs (short completions after long prompts); Llama, Qwen2/3 with SDPA "
+        "and no sliding window (others as before, the reason printed once). Overrides `packing`.",
+    )
     mu: int = _f(1, "Inner epochs over each batch (optimizer steps per generation step), pi_old fixed.")
     steps_per_generation: int = _f(
         1, "Optimizer steps per inner epoch: the batch is split into this many parts."

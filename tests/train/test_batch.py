@@ -285,3 +285,104 @@ def test_packing_needs_a_family_whose_mask_builder_detects_packed_sequences():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2))
     assert "not one of" in packing_reason(gpt2)
+
+
+ALWAYS_SHARE = (1.0, 0.0)  # (per-token, per-pair) costs under which sharing always pays
+
+
+def test_shared_layout_holds_each_prompt_once(uneven64):
+    from grpokit.train.batch import collate_shared
+
+    _, tok, batch = uneven64
+    rows = [0, 5, 9, 2, 7, 3]  # rows 0-3 share one prompt, 5 and 7 another, 9 a third
+    mb = collate_shared(batch, rows, tok.pad_token_id, torch.device("cpu"))
+    assert mb.input_ids.shape[0] == 3 and mb.attention_mask.shape == (3, 1, *mb.input_ids.shape[1:2] * 2)
+    flat_ids, flat_pos = mb.input_ids.flatten(), mb.position_ids.flatten()
+    S = mb.input_ids.shape[1]
+    for j, r in enumerate(rows):
+        n, P = int(batch.context_mask[r].sum()), len(batch.prompt_ids[r])
+        before = torch.cat([batch.prompt_ids[r][-1:], batch.completion_ids[r, : n - 1]])
+        assert torch.equal(flat_ids[mb.gather[j, :n]], before)  # the position that predicts token t
+        assert flat_pos[mb.gather[j, :n]].tolist() == list(range(P - 1, P - 1 + n))  # as if alone
+        # the token predicting completion token t sees the prompt and its own completion's first t tokens
+        g, q = divmod(int(mb.gather[j, n - 1]), S)
+        seen = mb.attention_mask[g, 0, q].nonzero().flatten()
+        context = torch.cat([batch.prompt_ids[r], batch.completion_ids[r, : n - 1]])
+        assert torch.equal(mb.input_ids[g, seen], context)
+
+
+@pytest.fixture()
+def float64_norms(monkeypatch):
+    """HF's LlamaRMSNorm computes in float32 even for a float64 model; sharing sums a prompt's
+    gradient over its rows inside the model, padding outside, so float32 rounding (~1e-7) would
+    hide a real difference. In float64 throughout, the two must agree to 1e-9."""
+    from transformers.models.llama import modeling_llama
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
+
+
+@pytest.mark.parametrize("aggregation", AGGS)
+@pytest.mark.parametrize("fused_head", [False, True])
+def test_shared_prompt_gradients_equal_padded_gradients(uneven64, aggregation, fused_head, float64_norms):
+    # float64, every parameter: one sequence per prompt (4D mask) gives the padded plan's log-probs,
+    # loss, metrics and gradient, whether a micro-batch holds whole groups or splits them
+    model, _, batch = uneven64
+    B = batch.num_rows
+    old = batch_logprobs(model, batch, [list(range(B))], 0, 0.9) - 0.05
+    shared_old = batch_logprobs(model, batch, [list(range(B))], 0, 0.9, share=ALWAYS_SHARE) - 0.05
+    mask = batch.completion_mask
+    torch.testing.assert_close(shared_old[mask], old[mask], rtol=0, atol=1e-12)
+    kw = dict(
+        loss=LossSpec(beta=0.1, aggregation=aggregation, max_completion_length=7),
+        old_logp=old, ref_logp=old + 0.1, temperature=0.9, fused_head=fused_head,
+    )  # fmt: skip
+    results = []
+    for share, plan in [(None, [list(range(B))]), (ALWAYS_SHARE, [list(range(B))]),
+                        (ALWAYS_SHARE, plan_micro_batches(batch.total_lengths(), 5))]:  # fmt: skip
+        model.zero_grad(set_to_none=True)
+        stats = accumulate_policy_gradient(model, batch, plan, 0, share=share, **kw)
+        results.append((stats, [p.grad.clone() for p in model.parameters()]))
+    (want, want_grads), *others = results
+    for stats, grads in others:
+        assert stats.loss == pytest.approx(want.loss, rel=1e-10)
+        assert stats.kl == pytest.approx(want.kl, rel=1e-10)
+        assert stats.entropy == pytest.approx(want.entropy, rel=1e-6)  # a float32 metric
+        for a, b in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_sharing_pays_for_long_prompts_and_short_completions_only():
+    from grpokit.train.batch import sharing_pays
+
+    def rows_of(prompt_len, completion_len, G=8):
+        comp = torch.ones(G, completion_len, dtype=torch.long)
+        mask = torch.ones(G, completion_len, dtype=torch.bool)
+        return TrainBatch([torch.arange(prompt_len)] * G, comp, mask, torch.zeros(G))
+
+    costs = (2 * 105e6, 4 * 576 * 30)  # SmolLM2-135M: per token, per attended pair
+    assert sharing_pays(rows_of(100, 96), list(range(8)), costs)  # its recipe: 0.67x the FLOPs
+    assert not sharing_pays(rows_of(100, 4096), list(range(8)), costs)  # 8 long completions at once
+    assert not sharing_pays(rows_of(100, 96, G=1), [0], costs)  # nothing to share
+
+
+def test_prompt_sharing_needs_sdpa_and_no_sliding_window(tiny):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from grpokit.models.loading import prompt_sharing_costs, prompt_sharing_reason
+
+    model, _ = tiny
+    assert prompt_sharing_reason(model) is None
+    token_cost, pair_cost = prompt_sharing_costs(model)
+    c = model.config
+    assert token_cost == 2 * sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2)
+    assert pair_cost == 4 * c.hidden_size * c.num_hidden_layers
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=50)  # fmt: skip
+    eager = MistralForCausalLM(MistralConfig(**small, sliding_window=None, attn_implementation="eager"))
+    assert "not 'sdpa'" in prompt_sharing_reason(eager)
+    sliding = MistralForCausalLM(MistralConfig(**small, sliding_window=16))
+    assert "sliding-window" in prompt_sharing_reason(sliding)
+    assert prompt_sharing_reason(MistralForCausalLM(MistralConfig(**small, sliding_window=None))) is None

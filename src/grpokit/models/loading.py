@@ -218,6 +218,41 @@ def packing_reason(model) -> str | None:
     return None
 
 
+def prompt_sharing_reason(model) -> str | None:
+    """None when the trainer may compute each prompt once for all its rows (``train.share_prompts``):
+    a family whose layers take a custom 4D attention mask as it is (transformers' mask builders
+    return one unchanged) through SDPA, with no sliding window (one mask serves every layer); else
+    why not."""
+    inner = getattr(model, "module", model)  # DDP
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+    config = getattr(inner, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in FUSED_HEAD_FAMILIES:
+        return f"model_type {family!r} is not one of {FUSED_HEAD_FAMILIES}"
+    attn = getattr(config, "_attn_implementation", None)
+    if attn != "sdpa":
+        return f"its attention implementation is {attn!r}, not 'sdpa' (a boolean 4D mask needs SDPA)"
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
+    if sliding and (not layer_types or "sliding_attention" in layer_types):
+        return f"sliding-window attention (window {window}): one mask cannot serve its layers"
+    return None
+
+
+def prompt_sharing_costs(model) -> tuple[float, float]:
+    """(FLOPs per token of the decoder layers' matmuls, FLOPs per attended query-key pair) of one
+    forward, for ``train.batch.sharing_pays`` to compare layouts: 2 per weight of the layers, and
+    4 per head dim per head per layer (the scores and the weighted sum)."""
+    inner = getattr(model, "module", model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    config = inner.config
+    weights = sum(p.numel() for p in inner.model.layers.parameters() if p.dim() == 2)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2.0 * weights, 4.0 * heads * head_dim * config.num_hidden_layers
+
+
 class head_returns_hidden:
     """Within this context the model's output head returns its input: the model's ``logits`` are the
     last hidden states, for :func:`grpokit.algo.hidden_token_logprobs` to project block by block."""

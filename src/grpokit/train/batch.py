@@ -131,7 +131,8 @@ class TrainBatch:
 class MicroBatch:
     rows: torch.Tensor  # [b] indices into the TrainBatch
     input_ids: torch.Tensor  # [b, L + T'] (packed: [bins, N])
-    attention_mask: torch.Tensor | None  # [b, L + T']; packed: None (positions delimit sequences)
+    # [b, L + T']; packed: None (positions delimit sequences); shared: [groups, 1, S, S] bool
+    attention_mask: torch.Tensor | None
     position_ids: torch.Tensor  # [b, L + T'] (packed: [bins, N], 0 at each sequence's start)
     prompt_width: int  # L
     completion_ids: torch.Tensor  # [b, T'] (T' = longest completion in this micro-batch)
@@ -185,11 +186,20 @@ def plan_optimizer_steps(
 
 
 def collate(
-    batch: TrainBatch, rows: list[int], pad_id: int, device: torch.device, packed: bool = False
+    batch: TrainBatch,
+    rows: list[int],
+    pad_id: int,
+    device: torch.device,
+    packed: bool = False,
+    share: tuple[float, float] | None = None,
 ) -> MicroBatch:
     """Left-padded prompts + right-padded completions of ``rows``. Attention and positions follow the
     context mask (an episode's environment tokens are context); ``completion_mask`` is the loss mask.
-    ``packed``: padding-free (:func:`collate_packed`)."""
+    ``share`` (the model's costs, :func:`grpokit.models.loading.prompt_sharing_costs`): each prompt
+    once (:func:`collate_shared`) where :func:`sharing_pays`; else ``packed``: padding-free
+    (:func:`collate_packed`)."""
+    if share is not None and sharing_pays(batch, rows, share):
+        return collate_shared(batch, rows, pad_id, device)
     if packed:
         return collate_packed(batch, rows, pad_id, device)
     context = batch.context_mask[rows]
@@ -325,12 +335,13 @@ def batch_logprobs(
     dist: Dist | None = None,
     fused_head: bool = False,
     packed: bool = False,
+    share: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """``[B, T]`` log-probs of every completion token under ``model`` (for pi_old and pi_ref), no grad."""
     param = next(model.parameters())
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.promote_types(param.dtype, torch.float32))
     for rows in (dist or Dist()).pad_plan(plan):
-        mb = collate(batch, rows or [0], pad_id, param.device, packed)
+        mb = collate(batch, rows or [0], pad_id, param.device, packed, share)
         logp, _ = completion_logprobs(model, mb, temperature, fused_head=fused_head)
         if rows:  # an empty micro-batch only keeps the ranks' forward passes in step
             out[rows, : logp.shape[1]] = logp.cpu()
@@ -354,6 +365,7 @@ def accumulate_policy_gradient(
     dist: Dist | None = None,
     fused_head: bool = False,
     packed: bool = False,
+    share: tuple[float, float] | None = None,
 ) -> UpdateStats:
     """Forward + backward over every micro-batch of ``plan``; gradients accumulate in ``.grad``.
 
@@ -376,6 +388,8 @@ def accumulate_policy_gradient(
         dump_path: write the first micro-batch's inputs and loss here (``train.dump_tensors``).
         fused_head: log-probs from hidden states and the head (:func:`completion_logprobs`).
         packed: padding-free micro-batches (:func:`collate_packed`, ``train.packing``).
+        share: each prompt computed once per micro-batch where it pays (:func:`collate`,
+            ``train.share_prompts``).
         dist: under torchrun, ``model`` is the DDP / FSDP module: counts and metrics are summed over
             ranks, gradients are synchronised once (in the last micro-batch's backward), and the
             loss is scaled by the world size because DDP and FSDP average gradients over ranks.
@@ -402,7 +416,7 @@ def accumulate_policy_gradient(
             stats = _micro_batch_backward(
                 model, batch, rows, pad_id, temperature, loss, counts, old_logp, ref_logp,
                 entropy_top_q, is_weights, mismatch_logp, dump_path if k == 0 else None, d.world_size,
-                fused_head, packed,
+                fused_head, packed, share,
             )  # fmt: skip
         if stats is None:
             continue
@@ -427,14 +441,14 @@ def accumulate_policy_gradient(
 
 def _micro_batch_backward(
     model, batch, rows, pad_id, temperature, spec, counts, old_logp, ref_logp, entropy_top_q,
-    is_weights, mismatch_logp, dump_path, world_size, fused_head, packed,
+    is_weights, mismatch_logp, dump_path, world_size, fused_head, packed, share,
 ) -> dict | None:  # fmt: skip
     """Forward + backward of one micro-batch; its metrics, or None when it has no tokens. An empty
     ``rows`` runs a stand-in row with its loss multiplied by 0 (the ranks' passes stay in step)."""
     device = next(model.parameters()).device
     dummy = not rows
     rows = rows or [0]
-    mb = collate(batch, rows, pad_id, device, packed)
+    mb = collate(batch, rows, pad_id, device, packed, share)
     T = mb.completion_ids.shape[1]
     old = None if old_logp is None else old_logp[rows, :T].to(device)
     ref = None if ref_logp is None else ref_logp[rows, :T].to(device)
@@ -530,3 +544,77 @@ def token_loss_grad(
         return g_c
 
     return loss_grad
+
+
+def collate_shared(batch: TrainBatch, rows: list[int], pad_id: int, device: torch.device) -> MicroBatch:
+    """``rows`` with each prompt computed once: the rows of one prompt become one sequence
+    ``[prompt | completion_1 | ... | completion_k]``, each completion's position ids continuing from
+    the prompt's length, and a ``[groups, 1, S, S]`` boolean attention mask in which a completion
+    token sees the prompt and the earlier tokens of its own completion only (padding at a group's
+    end sees itself). Every token's attention and positions are those of the padded layout, so the
+    log-probs and gradients are the same; the prompt's forward and backward run once per group
+    instead of once per row. ``gather`` maps each completion token to the position that predicts it."""
+    context = batch.context_mask[rows]
+    lengths = context.sum(dim=1)
+    width = max(int(lengths.max()), 1)
+    if not bool((context[:, :width] == (torch.arange(width) < lengths[:, None])).all()):
+        raise ValueError("prompt sharing needs each row's context tokens to be a prefix of its completion")
+    comp_ids, comp_mask = batch.completion_ids[rows, :width], batch.completion_mask[rows, :width]
+    groups = _prompt_groups(batch, rows)
+    sizes = [len(batch.prompt_ids[rows[m[0]]]) + sum(int(lengths[j]) for j in m) for m in groups]
+    S = max(sizes)
+    input_ids = torch.full((len(groups), S), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(groups), S), dtype=torch.long)
+    segment = torch.full((len(groups), S), -1, dtype=torch.long)  # 0 prompt, j + 1 row j, -1 padding
+    gather = torch.zeros((len(rows), width), dtype=torch.long)  # beyond a row's length: masked anyway
+    for g, members in enumerate(groups):
+        prompt = batch.prompt_ids[rows[members[0]]]
+        P = len(prompt)
+        input_ids[g, :P], positions[g, :P], segment[g, :P] = prompt, torch.arange(P), 0
+        at = P
+        for j in members:
+            n = int(lengths[j])
+            input_ids[g, at : at + n] = comp_ids[j, :n]
+            positions[g, at : at + n] = P + torch.arange(n)
+            segment[g, at : at + n] = j + 1
+            if n:  # token 0 is predicted by the prompt's last position, token t by token t - 1
+                gather[j, 0] = g * S + P - 1
+                gather[j, 1:n] = g * S + at + torch.arange(n - 1)
+            at += n
+    q, k = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    attend = causal & ((k == 0) | (k == q)) & (q >= 0)
+    attend |= torch.eye(S, dtype=torch.bool)  # padding sees itself: no empty softmax row
+    return MicroBatch(
+        torch.tensor(rows),
+        input_ids.to(device),
+        attend[:, None].to(device),
+        positions.to(device),
+        0,
+        comp_ids.to(device),
+        comp_mask.to(device),
+        gather.to(device),
+    )
+
+
+def _prompt_groups(batch: TrainBatch, rows: list[int]) -> list[list[int]]:
+    """Indices into ``rows`` grouped by identical prompt, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for j, r in enumerate(rows):
+        groups.setdefault(tuple(batch.prompt_ids[r].tolist()), []).append(j)
+    return list(groups.values())
+
+
+def sharing_pays(batch: TrainBatch, rows: list[int], costs: tuple[float, float]) -> bool:
+    """Whether :func:`collate_shared` does less work than :func:`collate`'s padded rows, with
+    ``costs`` = (per token: the layers' matmuls, per attended query-key pair), every pair counted on
+    both sides (an explicit mask runs them all). One sequence per prompt saves the prompt's repeats
+    but attends over all its completions at once, which loses when completions are long."""
+    token_cost, pair_cost = costs
+    lengths = batch.context_mask[rows].sum(dim=1).tolist()
+    groups = _prompt_groups(batch, rows)
+    S = max(len(batch.prompt_ids[rows[m[0]]]) + sum(lengths[j] for j in m) for m in groups)
+    N = max(len(batch.prompt_ids[r]) for r in rows) + max(max(lengths), 1)
+    shared = len(groups) * (S * token_cost + S * S * pair_cost)
+    padded = len(rows) * (N * token_cost + N * N * pair_cost)
+    return shared < padded

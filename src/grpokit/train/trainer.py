@@ -159,6 +159,8 @@ class GRPOTrainer:
             self._print(f"grpokit: training log-probs use the full logits: {self.learner.fused_head_off}")
         if t.packing and not self.learner.packed:
             self._print(f"grpokit: micro-batches are padded, not packed: {self.learner.packing_off}")
+        if t.share_prompts and self.learner.share is None:
+            self._print(f"grpokit: each row computes its own prompt: {self.learner.sharing_off}")
         self.generator = torch.Generator(self.device).manual_seed(t.seed)
         self.engine, self._engine_stale = engine_from_config(cfg, tokenizer), True
         self.episodes = episodes_from_config(cfg, tokenizer, rollout_env(cfg))  # None: single turns

@@ -27,7 +27,13 @@ import torch
 
 from grpokit.algo import LossSpec, kl_shaped_rewards
 from grpokit.algo.correction import correction_weights, mismatch_stats
-from grpokit.models.loading import fused_head_reason, packing_reason, reference_copy
+from grpokit.models.loading import (
+    fused_head_reason,
+    packing_reason,
+    prompt_sharing_costs,
+    prompt_sharing_reason,
+    reference_copy,
+)
 from grpokit.rollout.sampler import Rollout
 from grpokit.train.batch import TrainBatch, UpdateStats, accumulate_policy_gradient, batch_logprobs
 from grpokit.train.distributed import Dist, shard, wrap
@@ -59,6 +65,12 @@ class Learner:
         # padding-free micro-batches where the model's mask builder keeps packed sequences apart
         self.packing_off = packing_reason(model) if cfg.train.packing else "train.packing is off"
         self.packed = self.packing_off is None
+        # each prompt once per micro-batch (where that saves FLOPs), by the model's own costs
+        self.sharing_off = (
+            prompt_sharing_reason(model) if cfg.train.share_prompts else "train.share_prompts is off"
+        )
+        self.share = prompt_sharing_costs(model) if self.sharing_off is None else None
+        self.layout = dict(fused_head=self.fused_head, packed=self.packed, share=self.share)
 
     def logprobs(self, batch: TrainBatch, plans: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """pi_ref's log-probs (when a reference is loaded) and pi_old's, which are needed only when
@@ -67,19 +79,15 @@ class Learner:
         tau = cfg.rollout.temperature
         ref_logp = None
         if self.ref_model is not None:
-            ref_logp = batch_logprobs(
-                self.ref_model, batch, plan, self.pad_id, tau, self.dist, self.fused_head, self.packed
-            )
+            ref_logp = batch_logprobs(self.ref_model, batch, plan, self.pad_id, tau, self.dist, **self.layout)
         elif self.adapter_ref:
             with self.model.disable_adapter():
-                ref_logp = batch_logprobs(
-                    self.model, batch, plan, self.pad_id, tau, self.dist, self.fused_head, self.packed
-                )
+                ref_logp = batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist, **self.layout)
         t, a = cfg.train, cfg.algo
         needs_old = t.mu > 1 or t.steps_per_generation > 1 or a.kl_placement == "reward"
         needs_old = needs_old or a.rollout_correction is not None
         old_logp = (
-            batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist, self.fused_head, self.packed)
+            batch_logprobs(self.model, batch, plan, self.pad_id, tau, self.dist, **self.layout)
             if needs_old
             else None
         )
@@ -170,8 +178,7 @@ class Learner:
                     mismatch_logp=mismatch_logp if epoch == 0 else None,
                     dump_path=dump if epoch == 0 and k == 0 else None,
                     dist=self.dist,
-                    fused_head=self.fused_head,
-                    packed=self.packed,
+                    **self.layout,
                 )
                 self.train_module.eval()
                 norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or math.inf)
