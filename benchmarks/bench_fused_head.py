@@ -1,9 +1,9 @@
 """One GRPO update on SmolLM2-135M-Instruct: log-probs from full logits vs from hidden states and
 the head block by block (``model.fused_logprobs``), peak memory and time, each in a fresh process.
 
-    .venv/bin/python benchmarks/bench_fused_head.py [--rows 64] [--completion 96] [--reps 3]
+    .venv/bin/python benchmarks/bench_fused_head.py [--rows 64 --completion 96 --prompt 30 --reps 3] [--share]
 
-The recipe's shape: 64 rows (8 prompts x 8 samples) of a ~30-token prompt and ``--completion``
+The recipe's shape: 64 rows (8 prompts x 8 samples) of a ``--prompt``-token prompt and ``--completion``
 sampled-length tokens (random ids: the cost does not depend on them), bfloat16 autocast with the
 float32 head, one forward + backward of the GRPO loss per rep (``accumulate_policy_gradient``,
 one micro-batch). Peak RSS is the child's own ``VmHWM``; time is the median over ``--reps``.
@@ -21,13 +21,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+G = 8
+# logits: full logits then token_logprobs; fused: hidden states + head block by block;
+# shared: fused with each prompt computed once per group (train.share_prompts)
+MODES = ("logits", "fused", "shared")
 
-def child(mode: str, rows: int, completion: int, reps: int) -> dict:
+
+def child(mode: str, rows: int, completion: int, reps: int, prompt: int = 30) -> dict:
     import torch
 
     from _common import peak_rss_kib
     from grpokit.algo import LossSpec
-    from grpokit.models.loading import keep_head_float32, load_model, mixed_precision, resolve_model_path
+    from grpokit.models.loading import (
+        keep_head_float32,
+        load_model,
+        mixed_precision,
+        prompt_sharing_costs,
+        resolve_model_path,
+    )
     from grpokit.train.batch import TrainBatch, accumulate_policy_gradient
 
     torch.manual_seed(0)
@@ -35,7 +46,8 @@ def child(mode: str, rows: int, completion: int, reps: int) -> dict:
     keep_head_float32(model)
     loaded = peak_rss_kib() / 1024
     V = model.config.vocab_size
-    prompts = [torch.randint(100, V, (30,)) for _ in range(rows)]
+    groups = [torch.randint(100, V, (prompt,)) for _ in range(rows // G)]
+    prompts = [groups[i // G] for i in range(rows)]  # G samples per prompt
     ids = torch.randint(100, V, (rows, completion))
     mask = torch.ones(rows, completion, dtype=torch.bool)
     batch = TrainBatch(prompts, ids, mask, torch.randn(rows))
@@ -47,7 +59,7 @@ def child(mode: str, rows: int, completion: int, reps: int) -> dict:
         with mixed_precision(torch.device("cpu"), "bfloat16"):
             accumulate_policy_gradient(
                 model, batch, [list(range(rows))], tok.pad_token_id or 0, temperature=0.7, loss=spec,
-                fused_head=mode == "fused",
+                fused_head=mode != "logits", share=prompt_sharing_costs(model) if mode == "shared" else None,
             )  # fmt: skip
         times.append(time.perf_counter() - t)
     return {
@@ -63,14 +75,17 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--completion", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--child", choices=["logits", "fused"], help=argparse.SUPPRESS)
+    ap.add_argument("--prompt", type=int, default=30, help="prompt tokens (each prompt has G = 8 rows)")
+    ap.add_argument("--share", action="store_true", help="also time train.share_prompts (mode 'shared')")
+    ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, a.rows, a.completion, a.reps)))
+        print(json.dumps(child(a.child, a.rows, a.completion, a.reps, a.prompt)))
         return
     results = []
-    for mode in ("logits", "fused"):
+    for mode in MODES if a.share else MODES[:2]:
         sizes = ["--rows", str(a.rows), "--completion", str(a.completion), "--reps", str(a.reps)]
+        sizes += ["--prompt", str(a.prompt)]
         cmd = [sys.executable, __file__, "--child", mode, *sizes]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
@@ -80,9 +95,12 @@ def main() -> None:
     for r in results:
         above_model = r["peak_mib"] - r["loaded_mib"]
         print(f"| {r['mode']} | {r['seconds']:.2f} | {r['peak_mib']:.0f} | {above_model:.0f} |")
-    f = results[1]
-    above = (f["peak_mib"] - f["loaded_mib"]) / (base["peak_mib"] - base["loaded_mib"])
-    print(f"fused / logits: time {f['seconds'] / base['seconds']:.2f}x, memory above the model {above:.2f}x")
+    for f in results[1:]:
+        above = (f["peak_mib"] - f["loaded_mib"]) / (base["peak_mib"] - base["loaded_mib"])
+        print(
+            f"{f['mode']} / logits: time {f['seconds'] / base['seconds']:.2f}x, "
+            f"memory above the model {above:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -292,11 +292,12 @@ class TrainConfig:
         "restarting per sequence (Llama, Qwen2/3, Mistral; others pad, the reason printed once).",
     )
     share_prompts: bool = _f(
-        False,
+        True,
         "Compute each prompt once for all of its rows in a micro-batch: one sequence per prompt, "
         "its completions after it, a 4D mask keeping them apart; the same log-probs and gradients. "
         "Used where it saves FLOPs (short completions after long prompts); Llama, Qwen2/3 with SDPA "
-        "and no sliding window (others as before, the reason printed once). Overrides `packing`.",
+        "and no sliding window, in one process (others as before, the reason printed once). Where "
+        "used, it replaces `packing`'s layout.",
     )
     mu: int = _f(1, "Inner epochs over each batch (optimizer steps per generation step), pi_old fixed.")
     steps_per_generation: int = _f(

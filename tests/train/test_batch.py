@@ -386,3 +386,22 @@ def test_prompt_sharing_needs_sdpa_and_no_sliding_window(tiny):
     sliding = MistralForCausalLM(MistralConfig(**small, sliding_window=16))
     assert "sliding-window" in prompt_sharing_reason(sliding)
     assert prompt_sharing_reason(MistralForCausalLM(MistralConfig(**small, sliding_window=None))) is None
+
+
+def test_group_plan_keeps_each_prompts_rows_together():
+    from grpokit.train.batch import plan_groups, plan_optimizer_steps
+
+    lengths = [5, 9, 1, 9, 4, 7, 7, 2, 3, 8, 8, 8]  # 4 groups of 3
+    plan = plan_groups(lengths, 3, max_rows=6)
+    assert sorted(i for mb in plan for i in mb) == list(range(12))
+    assert all(len(mb) <= 6 for mb in plan)
+    assert all(len({i // 3 for i in mb}) * 3 == len(mb) for mb in plan)  # whole groups only
+    assert plan[0][:3] == [1, 0, 2]  # the group with the longest row first, its rows longest first
+    small = plan_groups(lengths, 3, max_rows=2)  # a group larger than a micro-batch is cut
+    assert all(len(mb) <= 2 for mb in small)
+    for g in range(4):  # each group in ceil(3 / 2) = 2 micro-batches
+        assert sum(any(i // 3 == g for i in mb) for mb in small) == 2
+    capped = plan_groups(lengths, 3, max_rows=12, max_tokens=30)
+    assert all(max(lengths[i] for i in mb) * len(mb) <= 30 or len(mb) <= 3 for mb in capped)
+    steps = plan_optimizer_steps(lengths, 3, 2, 6, keep_groups=True)
+    assert [sorted(i for mb in p for i in mb) for p in steps] == [list(range(6)), list(range(6, 12))]

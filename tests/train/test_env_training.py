@@ -108,7 +108,9 @@ def test_environment_tokens_get_no_gradient(tmp_path, monkeypatch):
         return logp, entropy
 
     monkeypatch.setattr(batch_module, "completion_logprobs", recording)
-    cfg = load_config(None, calculator_sets(tmp_path / "run", **{"train.max_steps": 1, "algo.beta": 0.1}))
+    # the padded layout, whose [b, L + T'] attention mask says which tokens are in the context
+    sets = {"train.max_steps": 1, "algo.beta": 0.1, "train.share_prompts": False}
+    cfg = load_config(None, calculator_sets(tmp_path / "run", **sets))
     GRPOTrainer(cfg, rewards=[varied]).train()  # a reward with spread: non-zero advantages
     checked_env = checked_model = 0
     for logp, mb in seen:

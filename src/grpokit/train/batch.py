@@ -162,6 +162,31 @@ def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int | None
     return plan
 
 
+def plan_groups(
+    lengths: list[int], group_size: int, max_rows: int, max_tokens: int | None = None
+) -> list[list[int]]:
+    """Like :func:`plan_micro_batches`, but a prompt's rows (``group_size`` consecutive rows) stay
+    in one micro-batch, so ``train.share_prompts`` computes the prompt once for all of them: groups,
+    longest first, packed greedily under the same caps; a group of more than ``max_rows`` rows is
+    cut into chunks of ``max_rows``."""
+    chunks = []
+    for g0 in range(0, len(lengths), group_size):
+        rows = sorted(range(g0, min(g0 + group_size, len(lengths))), key=lambda i: (-lengths[i], i))
+        chunks += [rows[c : c + max_rows] for c in range(0, len(rows), max_rows)]
+    chunks.sort(key=lambda chunk: (-lengths[chunk[0]], chunk[0]))
+    plan: list[list[int]] = []
+    for chunk in chunks:
+        cur = plan[-1] if plan else None
+        fits = cur is not None and len(cur) + len(chunk) <= max_rows
+        if fits and max_tokens is not None:
+            fits = lengths[cur[0]] * (len(cur) + len(chunk)) <= max_tokens  # cur[0] is its longest row
+        if fits:
+            cur.extend(chunk)
+        else:
+            plan.append(list(chunk))
+    return plan
+
+
 def plan_optimizer_steps(
     lengths: list[int],
     group_size: int,
@@ -170,9 +195,11 @@ def plan_optimizer_steps(
     max_tokens: int | None = None,
     *,
     keep_empty: bool = False,
+    keep_groups: bool = False,
 ) -> list[list[list[int]]]:
     """One micro-batch plan per optimizer step of an inner epoch: the rows split into ``steps``
-    parts of whole groups (``train.steps_per_generation``), each planned by ``plan_micro_batches``.
+    parts of whole groups (``train.steps_per_generation``), each planned by ``plan_micro_batches``
+    (``keep_groups``: by :func:`plan_groups`, for ``train.share_prompts``).
 
     ``keep_empty`` (under torchrun) keeps a part with no rows as an empty plan, padded later, so
     every rank makes the same number of optimizer steps."""
@@ -180,7 +207,12 @@ def plan_optimizer_steps(
     parts = [list(range(k * groups // steps * G, (k + 1) * groups // steps * G)) for k in range(steps)]
     plans = []
     for rows in (p for p in parts if p or keep_empty):
-        local = plan_micro_batches([lengths[r] for r in rows], max_rows, max_tokens)
+        part = [lengths[r] for r in rows]
+        local = (
+            plan_groups(part, G, max_rows, max_tokens)
+            if keep_groups
+            else plan_micro_batches(part, max_rows, max_tokens)
+        )
         plans.append([[rows[i] for i in mb] for mb in local])
     return plans
 

@@ -318,6 +318,7 @@ class GRPOTrainer:
         plans = plan_optimizer_steps(
             batch.total_lengths(), self.cfg.rollout.group_size, t.steps_per_generation,
             t.micro_batch_size, t.micro_batch_tokens, keep_empty=self.dist.enabled,
+            keep_groups=self.learner.share is not None,
         )  # fmt: skip
         return batch, plans
 
