@@ -245,37 +245,43 @@ def test_packed_layout_holds_every_sequence_once_without_padding(uneven64):
         assert torch.equal(flat_ids[mb.gather[j, :n]], before)
 
 
-@pytest.mark.parametrize("aggregation", AGGS)
-@pytest.mark.parametrize("fused_head", [False, True])
-def test_packed_gradients_equal_padded_gradients(uneven64, aggregation, fused_head):
-    # float64, every parameter: the packed micro-batches (sequences end to end, position ids
-    # restarting, the model's packed-sequence mask) give the padded plan's loss, metrics and gradient
-    from grpokit.models.loading import packing_reason
-
-    model, _, batch = uneven64
-    assert packing_reason(model) is None
+def _assert_layout_equals_padded(model, batch, aggregation, fused_head, **layout):
+    """float64, every parameter: ``layout`` (``packed=True`` or ``share=...``) gives the padded
+    plan's log-probs, loss, metrics and gradient, with the whole batch in one micro-batch and split."""
     B = batch.num_rows
     old = batch_logprobs(model, batch, [list(range(B))], 0, 0.9) - 0.05
-    packed_old = batch_logprobs(model, batch, [list(range(B))], 0, 0.9, packed=True) - 0.05
+    layout_old = batch_logprobs(model, batch, [list(range(B))], 0, 0.9, **layout) - 0.05
     mask = batch.completion_mask
-    torch.testing.assert_close(packed_old[mask], old[mask], rtol=0, atol=1e-12)
+    torch.testing.assert_close(layout_old[mask], old[mask], rtol=0, atol=1e-12)
     kw = dict(
         loss=LossSpec(beta=0.1, aggregation=aggregation, max_completion_length=7),
         old_logp=old, ref_logp=old + 0.1, temperature=0.9, fused_head=fused_head,
     )  # fmt: skip
-    results = {}
-    for packed, plan in [(False, [list(range(B))]), (True, plan_micro_batches(batch.total_lengths(), 5)),
-                         (True, [list(range(B))])]:  # fmt: skip
+    results = []
+    for options, plan in [({}, [list(range(B))]), (layout, plan_micro_batches(batch.total_lengths(), 5)),
+                          (layout, [list(range(B))])]:  # fmt: skip
         model.zero_grad(set_to_none=True)
-        stats = accumulate_policy_gradient(model, batch, plan, 0, packed=packed, **kw)
-        results[(packed, len(plan))] = (stats, [p.grad.clone() for p in model.parameters()])
-    (want, want_grads), *others = results.values()
+        stats = accumulate_policy_gradient(model, batch, plan, 0, **options, **kw)
+        results.append((stats, [p.grad.clone() for p in model.parameters()]))
+    (want, want_grads), *others = results
     for stats, grads in others:
         assert stats.loss == pytest.approx(want.loss, rel=1e-10)
         assert stats.kl == pytest.approx(want.kl, rel=1e-10)
         assert stats.entropy == pytest.approx(want.entropy, rel=1e-6)  # a float32 metric
         for a, b in zip(grads, want_grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("aggregation", AGGS)
+@pytest.mark.parametrize("fused_head", [False, True])
+def test_packed_gradients_equal_padded_gradients(uneven64, aggregation, fused_head):
+    # the packed micro-batches (sequences end to end, position ids restarting, the model's
+    # packed-sequence mask) give the padded plan's loss, metrics and gradient
+    from grpokit.models.loading import packing_reason
+
+    model, _, batch = uneven64
+    assert packing_reason(model) is None
+    _assert_layout_equals_padded(model, batch, aggregation, fused_head, packed=True)
 
 
 def test_packing_needs_a_family_whose_mask_builder_detects_packed_sequences():
@@ -327,31 +333,10 @@ def float64_norms(monkeypatch):
 @pytest.mark.parametrize("aggregation", AGGS)
 @pytest.mark.parametrize("fused_head", [False, True])
 def test_shared_prompt_gradients_equal_padded_gradients(uneven64, aggregation, fused_head, float64_norms):
-    # float64, every parameter: one sequence per prompt (4D mask) gives the padded plan's log-probs,
-    # loss, metrics and gradient, whether a micro-batch holds whole groups or splits them
+    # one sequence per prompt (4D mask) gives the padded plan's log-probs, loss, metrics and
+    # gradient, whether a micro-batch holds whole groups or splits them
     model, _, batch = uneven64
-    B = batch.num_rows
-    old = batch_logprobs(model, batch, [list(range(B))], 0, 0.9) - 0.05
-    shared_old = batch_logprobs(model, batch, [list(range(B))], 0, 0.9, share=ALWAYS_SHARE) - 0.05
-    mask = batch.completion_mask
-    torch.testing.assert_close(shared_old[mask], old[mask], rtol=0, atol=1e-12)
-    kw = dict(
-        loss=LossSpec(beta=0.1, aggregation=aggregation, max_completion_length=7),
-        old_logp=old, ref_logp=old + 0.1, temperature=0.9, fused_head=fused_head,
-    )  # fmt: skip
-    results = []
-    for share, plan in [(None, [list(range(B))]), (ALWAYS_SHARE, [list(range(B))]),
-                        (ALWAYS_SHARE, plan_micro_batches(batch.total_lengths(), 5))]:  # fmt: skip
-        model.zero_grad(set_to_none=True)
-        stats = accumulate_policy_gradient(model, batch, plan, 0, share=share, **kw)
-        results.append((stats, [p.grad.clone() for p in model.parameters()]))
-    (want, want_grads), *others = results
-    for stats, grads in others:
-        assert stats.loss == pytest.approx(want.loss, rel=1e-10)
-        assert stats.kl == pytest.approx(want.kl, rel=1e-10)
-        assert stats.entropy == pytest.approx(want.entropy, rel=1e-6)  # a float32 metric
-        for a, b in zip(grads, want_grads, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    _assert_layout_equals_padded(model, batch, aggregation, fused_head, share=ALWAYS_SHARE)
 
 
 def test_sharing_pays_for_long_prompts_and_short_completions_only():
