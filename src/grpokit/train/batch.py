@@ -230,8 +230,10 @@ def collate(
     ``share`` (the model's costs, :func:`grpokit.models.loading.prompt_sharing_costs`): each prompt
     once (:func:`collate_shared`) where :func:`sharing_pays`; else ``packed``: padding-free
     (:func:`collate_packed`)."""
-    if share is not None and sharing_pays(batch, rows, share):
-        return collate_shared(batch, rows, pad_id, device)
+    if share is not None:
+        groups = _prompt_groups(batch, rows)
+        if sharing_pays(batch, rows, share, groups):
+            return collate_shared(batch, rows, pad_id, device, groups)
     if packed:
         return collate_packed(batch, rows, pad_id, device)
     context = batch.context_mask[rows]
@@ -260,17 +262,27 @@ def collate(
     )
 
 
+def _prefix_completions(
+    batch: TrainBatch, rows: list[int], layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the layouts that lay each row's context end to end (``layout`` names it in the error):
+    the rows' context lengths ``[b]``, completion ids and loss mask ``[b, T']`` cut to the longest.
+    Their context tokens must be a prefix of the completion (no gaps to skip)."""
+    context = batch.context_mask[rows]
+    lengths = context.sum(dim=1)
+    width = max(int(lengths.max()), 1)
+    if not bool((context[:, :width] == (torch.arange(width) < lengths[:, None])).all()):
+        raise ValueError(f"{layout} needs each row's context tokens to be a prefix of its completion")
+    return lengths, batch.completion_ids[rows, :width], batch.completion_mask[rows, :width]
+
+
 def collate_packed(batch: TrainBatch, rows: list[int], pad_id: int, device: torch.device) -> MicroBatch:
     """``rows`` without padding: each row's ``[prompt | completion]`` laid end to end in bins of the
     longest row's length (first fit, longest first), position ids restarting at 0 for every sequence
     and counting up through the bin's unused tail (a sequence of its own, after every real token, so
     never attended). ``gather`` maps each completion token to the position that predicts it."""
-    context = batch.context_mask[rows]
-    lengths = context.sum(dim=1)
-    width = max(int(lengths.max()), 1)
-    if not bool((context[:, :width] == (torch.arange(width) < lengths[:, None])).all()):
-        raise ValueError("packing needs each row's context tokens to be a prefix of its completion")
-    comp_ids, comp_mask = batch.completion_ids[rows, :width], batch.completion_mask[rows, :width]
+    lengths, comp_ids, comp_mask = _prefix_completions(batch, rows, "packing")
+    width = comp_ids.shape[1]
     seqs = [torch.cat([batch.prompt_ids[r], comp_ids[j, : int(lengths[j])]]) for j, r in enumerate(rows)]
     N = max(len(s) for s in seqs)
     bins: list[list[int]] = []
@@ -578,21 +590,24 @@ def token_loss_grad(
     return loss_grad
 
 
-def collate_shared(batch: TrainBatch, rows: list[int], pad_id: int, device: torch.device) -> MicroBatch:
+def collate_shared(
+    batch: TrainBatch,
+    rows: list[int],
+    pad_id: int,
+    device: torch.device,
+    groups: list[list[int]] | None = None,
+) -> MicroBatch:
     """``rows`` with each prompt computed once: the rows of one prompt become one sequence
     ``[prompt | completion_1 | ... | completion_k]``, each completion's position ids continuing from
     the prompt's length, and a ``[groups, 1, S, S]`` boolean attention mask in which a completion
     token sees the prompt and the earlier tokens of its own completion only (padding at a group's
     end sees itself). Every token's attention and positions are those of the padded layout, so the
     log-probs and gradients are the same; the prompt's forward and backward run once per group
-    instead of once per row. ``gather`` maps each completion token to the position that predicts it."""
-    context = batch.context_mask[rows]
-    lengths = context.sum(dim=1)
-    width = max(int(lengths.max()), 1)
-    if not bool((context[:, :width] == (torch.arange(width) < lengths[:, None])).all()):
-        raise ValueError("prompt sharing needs each row's context tokens to be a prefix of its completion")
-    comp_ids, comp_mask = batch.completion_ids[rows, :width], batch.completion_mask[rows, :width]
-    groups = _prompt_groups(batch, rows)
+    instead of once per row. ``gather`` maps each completion token to the position that predicts it.
+    ``groups``: :func:`_prompt_groups` of ``rows``, if already computed."""
+    lengths, comp_ids, comp_mask = _prefix_completions(batch, rows, "prompt sharing")
+    width = comp_ids.shape[1]
+    groups = _prompt_groups(batch, rows) if groups is None else groups
     sizes = [len(batch.prompt_ids[rows[m[0]]]) + sum(int(lengths[j]) for j in m) for m in groups]
     S = max(sizes)
     input_ids = torch.full((len(groups), S), pad_id, dtype=torch.long)
@@ -637,14 +652,20 @@ def _prompt_groups(batch: TrainBatch, rows: list[int]) -> list[list[int]]:
     return list(groups.values())
 
 
-def sharing_pays(batch: TrainBatch, rows: list[int], costs: tuple[float, float]) -> bool:
+def sharing_pays(
+    batch: TrainBatch,
+    rows: list[int],
+    costs: tuple[float, float],
+    groups: list[list[int]] | None = None,
+) -> bool:
     """Whether :func:`collate_shared` does less work than :func:`collate`'s padded rows, with
     ``costs`` = (per token: the layers' matmuls, per attended query-key pair), every pair counted on
     both sides (an explicit mask runs them all). One sequence per prompt saves the prompt's repeats
-    but attends over all its completions at once, which loses when completions are long."""
+    but attends over all its completions at once, which loses when completions are long.
+    ``groups``: :func:`_prompt_groups` of ``rows``, if already computed."""
     token_cost, pair_cost = costs
     lengths = batch.context_mask[rows].sum(dim=1).tolist()
-    groups = _prompt_groups(batch, rows)
+    groups = _prompt_groups(batch, rows) if groups is None else groups
     S = max(len(batch.prompt_ids[rows[m[0]]]) + sum(lengths[j] for j in m) for m in groups)
     N = max(len(batch.prompt_ids[r]) for r in rows) + max(max(lengths), 1)
     shared = len(groups) * (S * token_cost + S * S * pair_cost)
