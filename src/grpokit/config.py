@@ -74,6 +74,13 @@ class ModelConfig:
         "sequence`) and no `algo.entropy_top_q`, the head's gradients are computed in the same forward "
         "blocks, so the backward does not recompute them (docs/algorithms.md).",
     )
+    fused_layers: bool = _f(
+        True,
+        "RMSNorm and the SwiGLU MLP of llama / qwen2 / qwen3 / mistral models as autograd functions "
+        "that save fewer activations for the backward (0.63x the bytes in benchmarks/bench_memory.py); "
+        "the same forward values, bit for bit, and the same gradients. Other models "
+        "keep their modules, with the reason printed once (docs/training.md).",
+    )
 
 
 @dataclass

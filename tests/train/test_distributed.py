@@ -24,8 +24,12 @@ from grpokit.train.evaluate import combine_evaluations
 
 TIME_KEYS = {"time_sampling_s", "time_scoring_s", "time_training_s", "tokens_per_s"}
 # the shipped tiny model on the demo's sort task; 4 micro-batches per rank (gradient accumulation
-# with the sync deferred to the last), a reference model, mu = 2 (pi_old != pi_theta)
+# with the sync deferred to the last), a reference model, mu = 2 (pi_old != pi_theta). Prompt
+# sharing is off under torchrun, so one process is put in the same padded layout: the comparison is
+# then of one process against two ranks, not of two layouts' float32 round-off (which 2 Adam steps
+# amplify to ~4e-6 with model.fused_layers' own norm backward)
 COMMON = [
+    "train.share_prompts=false",
     "train.prompts_per_step=8",
     "train.micro_batch_size=4",
     "train.mu=2",

@@ -43,6 +43,7 @@ from grpokit.config import GRPOConfig, rollout_env
 from grpokit.data.datasets import RowsSource, build_prompt, build_sources, filter_long_prompts
 from grpokit.diagnostics.hacking import HackingMonitor
 from grpokit.errors import CheckpointError, ConfigError, RunExistsError, TrainingInterrupted
+from grpokit.models.fused_layers import fuse_layers
 from grpokit.models.loading import keep_head_float32, load_model, mixed_precision
 from grpokit.report import write_report
 from grpokit.rewards.registry import (
@@ -144,6 +145,8 @@ class GRPOTrainer:
         self.device = next(model.parameters()).device
         if cfg.model.autocast is not None:
             keep_head_float32(model)  # before the reference copy, which then keeps it too
+        if cfg.model.fused_layers and (why := fuse_layers(model)):
+            self._print(f"grpokit: norms and MLPs keep their own autograd: {why}")
         self.pad_id = pad_token_id(tokenizer)
         self.num_filtered_prompts = 0
         if d.max_prompt_length is not None:
