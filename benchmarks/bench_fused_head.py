@@ -1,12 +1,15 @@
 """One GRPO update on SmolLM2-135M-Instruct: log-probs from full logits vs from hidden states and
 the head block by block (``model.fused_logprobs``), peak memory and time, each in a fresh process.
 
-    .venv/bin/python benchmarks/bench_fused_head.py [--rows 64 --completion 96 --prompt 30 --reps 3] [--share]
+    .venv/bin/python benchmarks/bench_fused_head.py [--rows 64 --completion 96 --prompt 30 --reps 3] \
+        [--share] [--layers]
 
 The recipe's shape: 64 rows (8 prompts x 8 samples) of a ``--prompt``-token prompt and ``--completion``
 sampled-length tokens (random ids: the cost does not depend on them), bfloat16 autocast with the
 float32 head, one forward + backward of the GRPO loss per rep (``accumulate_policy_gradient``,
 one micro-batch). Peak RSS is the child's own ``VmHWM``; time is the median over ``--reps``.
+``--layers`` adds the same modes with ``model.fused_layers`` (``models.fused_layers.fuse_layers``:
+RMSNorm and the MLP saving fewer activations), marked ``+layers``.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 G = 8
 # logits: full logits then token_logprobs; fused: hidden states + head block by block;
-# shared: fused with each prompt computed once per group (train.share_prompts)
+# shared: fused with each prompt computed once per group (train.share_prompts); "+layers": with
+# fuse_layers (model.fused_layers)
 MODES = ("logits", "fused", "shared")
+ALL_MODES = MODES + tuple(m + "+layers" for m in MODES)
 
 
 def child(mode: str, rows: int, completion: int, reps: int, prompt: int = 30) -> dict:
@@ -32,6 +37,7 @@ def child(mode: str, rows: int, completion: int, reps: int, prompt: int = 30) ->
 
     from _common import peak_rss_kib
     from grpokit.algo import LossSpec
+    from grpokit.models.fused_layers import fuse_layers
     from grpokit.models.loading import (
         keep_head_float32,
         load_model,
@@ -44,6 +50,9 @@ def child(mode: str, rows: int, completion: int, reps: int, prompt: int = 30) ->
     torch.manual_seed(0)
     model, tok = load_model(str(resolve_model_path("smollm2-135m-instruct")))
     keep_head_float32(model)
+    mode, layers = mode.removesuffix("+layers"), mode.endswith("+layers")
+    if layers and (why := fuse_layers(model)):
+        raise SystemExit(f"fuse_layers refused SmolLM2: {why}")
     loaded = peak_rss_kib() / 1024
     V = model.config.vocab_size
     groups = [torch.randint(100, V, (prompt,)) for _ in range(rows // G)]
@@ -63,7 +72,7 @@ def child(mode: str, rows: int, completion: int, reps: int, prompt: int = 30) ->
             )  # fmt: skip
         times.append(time.perf_counter() - t)
     return {
-        "mode": mode,
+        "mode": mode + ("+layers" if layers else ""),
         "seconds": statistics.median(times),
         "peak_mib": peak_rss_kib() / 1024,
         "loaded_mib": loaded,
@@ -77,13 +86,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=30, help="prompt tokens (each prompt has G = 8 rows)")
     ap.add_argument("--share", action="store_true", help="also time train.share_prompts (mode 'shared')")
-    ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--layers", action="store_true", help="also each mode with model.fused_layers ('+layers')"
+    )
+    ap.add_argument("--child", choices=ALL_MODES, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(a.child, a.rows, a.completion, a.reps, a.prompt)))
         return
     results = []
-    for mode in MODES if a.share else MODES[:2]:
+    modes = list(MODES if a.share else MODES[:2])
+    for mode in modes + ([m + "+layers" for m in modes] if a.layers else []):
         sizes = ["--rows", str(a.rows), "--completion", str(a.completion), "--reps", str(a.reps)]
         sizes += ["--prompt", str(a.prompt)]
         cmd = [sys.executable, __file__, "--child", mode, *sizes]

@@ -1,5 +1,6 @@
 """Peak memory of a GRPO step: full fine-tune with a reference copy, without a reference (beta = 0),
-LoRA with the adapter-off reference, and full fine-tune with gradient checkpointing.
+LoRA with the adapter-off reference, full fine-tune with gradient checkpointing, and full fine-tune
+with ``model.fused_layers`` off (HF's own RMSNorm and MLP autograd).
 
     .venv/bin/python benchmarks/bench_memory.py [--hidden 512 --layers 8 --vocab 32000 --steps 2]
 
@@ -8,7 +9,8 @@ then runs `--steps` GRPO steps in its own child process, and reports the growth 
 set (VmHWM, which unlike ru_maxrss does not inherit the parent's peak) over its RSS after imports --
 model, reference, optimizer state, activations. CPU only (on a GPU, torch.cuda.max_memory_allocated
 is the number to read). Also prints what PPO's critic would add: a value model the size of the
-policy, fp32 weights + grads + Adam moments.
+policy, fp32 weights + grads + Adam moments; and the bytes autograd saves for the backward of one
+forward over 16 rows x 64 tokens (parameters excluded), with and without ``fuse_layers``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,24 @@ VARIANTS = {
         "algo.beta=0.04",
         "model.gradient_checkpointing=true",
     ],
+    "full fine-tune + reference, model.fused_layers off": ["algo.beta=0.04", "model.fused_layers=false"],
 }
+
+
+def saved_mib(model, ids) -> float:
+    """MiB autograd keeps for the backward of one forward of ``model`` over ``ids``, parameters excluded."""
+    import torch
+
+    seen: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids).logits.sum().backward()
+    return sum(v for k, v in seen.items() if k not in params) / 2**20
 
 
 def child(model_dir: str, out_dir: str, sets: list[str], steps: int) -> dict:
@@ -100,7 +119,15 @@ def main() -> None:
             max_position_embeddings=512,
             tie_word_embeddings=False,
         )
-        LlamaForCausalLM(config).save_pretrained(model_dir)
+        model = LlamaForCausalLM(config)
+        model.save_pretrained(model_dir)
+        ids = torch.randint(0, a.vocab, (16, 64), generator=torch.Generator().manual_seed(0))
+        plain = saved_mib(model, ids)
+        from grpokit.models.fused_layers import fuse_layers
+
+        fuse_layers(model)
+        fused = saved_mib(model, ids)
+        del model
         vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {chr(33 + i): i + 3 for i in range(90)}
         vocab |= {f"w{i}": i + 93 for i in range(a.vocab - 93)}
         tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -146,6 +173,10 @@ def main() -> None:
         f"{params / 1e6:.1f}M fp32 weights + grads + two Adam moments = 16 bytes/param = "
         f"{critic_mib:.0f} MiB, "
         "before its own activations; GRPO has none."
+    )
+    print(
+        f"\nSaved for the backward of one forward over 16 x 64 tokens: {plain:.1f} MiB with HF's modules, "
+        f"{fused:.1f} MiB with model.fused_layers ({fused / plain:.2f}x)"
     )
 
 
