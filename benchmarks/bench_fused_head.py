@@ -50,7 +50,7 @@ def child(mode: str, rows: int, completion: int, reps: int, prompt: int = 30) ->
     torch.manual_seed(0)
     model, tok = load_model(str(resolve_model_path("smollm2-135m-instruct")))
     keep_head_float32(model)
-    mode, layers = mode.removesuffix("+layers"), mode.endswith("+layers")
+    name, mode, layers = mode, mode.removesuffix("+layers"), mode.endswith("+layers")
     if layers and (why := fuse_layers(model)):
         raise SystemExit(f"fuse_layers refused SmolLM2: {why}")
     loaded = peak_rss_kib() / 1024
@@ -72,7 +72,7 @@ def child(mode: str, rows: int, completion: int, reps: int, prompt: int = 30) ->
             )  # fmt: skip
         times.append(time.perf_counter() - t)
     return {
-        "mode": mode + ("+layers" if layers else ""),
+        "mode": name,
         "seconds": statistics.median(times),
         "peak_mib": peak_rss_kib() / 1024,
         "loaded_mib": loaded,

@@ -37,22 +37,6 @@ VARIANTS = {
 }
 
 
-def saved_mib(model, ids) -> float:
-    """MiB autograd keeps for the backward of one forward of ``model`` over ``ids``, parameters excluded."""
-    import torch
-
-    seen: dict[int, int] = {}
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def pack(t):
-        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids).logits.sum().backward()
-    return sum(v for k, v in seen.items() if k not in params) / 2**20
-
-
 def child(model_dir: str, out_dir: str, sets: list[str], steps: int) -> dict:
     from grpokit.config import load_config
     from grpokit.train.trainer import GRPOTrainer
@@ -122,11 +106,11 @@ def main() -> None:
         model = LlamaForCausalLM(config)
         model.save_pretrained(model_dir)
         ids = torch.randint(0, a.vocab, (16, 64), generator=torch.Generator().manual_seed(0))
-        plain = saved_mib(model, ids)
-        from grpokit.models.fused_layers import fuse_layers
+        from grpokit.models.fused_layers import fuse_layers, saved_bytes
 
+        plain = saved_bytes(model, ids) / 2**20
         fuse_layers(model)
-        fused = saved_mib(model, ids)
+        fused = saved_bytes(model, ids) / 2**20
         del model
         vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {chr(33 + i): i + 3 for i in range(90)}
         vocab |= {f"w{i}": i + 93 for i in range(a.vocab - 93)}

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from grpokit.models.fused_layers import RMSNormFn, SwiGLUDownFn, fuse_layers
+from grpokit.models.fused_layers import RMSNormFn, SwiGLUDownFn, fuse_layers, saved_bytes
 
 BODY = dict(
     vocab_size=40, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
@@ -33,20 +33,6 @@ def _llama(seed: int = 0, **kw) -> LlamaForCausalLM:
             if "norm" in name:
                 p.add_(0.3 * torch.randn(p.shape, generator=_gen(len(name))))
     return model
-
-
-def _saved_bytes(model, ids) -> int:
-    """Bytes autograd keeps for the backward of one forward (parameters excluded)."""
-    seen: dict[int, int] = {}
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def pack(t):
-        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids).logits.sum().backward()
-    return sum(v for k, v in seen.items() if k not in params)
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 16), (2, 4, 3, 8)])  # [B, T, D], Qwen3's per-head [B, T, H, D]
@@ -134,7 +120,7 @@ def test_fused_model_gives_hf_logits_and_gradients_with_fewer_saved_bytes(family
     tol = 1e-2 if autocast else 1e-4
     for (name, _), a, b in zip(plain.named_parameters(), *grads, strict=True):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item(), msg=name)
-    assert _saved_bytes(fused, ids) < 0.75 * _saved_bytes(plain, ids)
+    assert saved_bytes(fused, ids) < 0.75 * saved_bytes(plain, ids)
 
 
 def test_fusing_survives_a_deep_copy_and_stays_off_the_class():

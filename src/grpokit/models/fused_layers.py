@@ -156,3 +156,18 @@ def fuse_layers(model) -> str | None:
         for m in mlps:
             m.forward = types.MethodType(_mlp_forward, m)
     return "; ".join(reasons) or None
+
+
+def saved_bytes(model, ids: torch.Tensor) -> int:
+    """Bytes autograd keeps for the backward of one forward of ``model`` over ``ids`` (each
+    storage counted once, parameters excluded): what :func:`fuse_layers` reduces."""
+    seen: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids).logits.sum().backward()
+    return sum(v for k, v in seen.items() if k not in params)
