@@ -303,8 +303,8 @@ class TrainConfig:
         "Compute each prompt once for all of its rows in a micro-batch: one sequence per prompt, "
         "its completions after it, a 4D mask keeping them apart; the same log-probs and gradients. "
         "Used where it saves FLOPs (short completions after long prompts); Llama, Qwen2/3 with SDPA "
-        "and no sliding window, in one process (others as before, the reason printed once). Where "
-        "used, it replaces `packing`'s layout.",
+        "and no sliding window, also under torchrun (others as before, the reason printed once). "
+        "Where used, it replaces `packing`'s layout; metric `prompt_shared_fraction`.",
     )
     mu: int = _f(1, "Inner epochs over each batch (optimizer steps per generation step), pi_old fixed.")
     steps_per_generation: int = _f(

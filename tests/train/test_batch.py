@@ -264,6 +264,9 @@ def _assert_layout_equals_padded(model, batch, aggregation, fused_head, **layout
         stats = accumulate_policy_gradient(model, batch, plan, 0, **options, **kw)
         results.append((stats, [p.grad.clone() for p in model.parameters()]))
     (want, want_grads), *others = results
+    # every row trained once; the padded plan shares nothing, the one-micro-batch layout all or none
+    assert [stats.rows for stats, _ in results] == [B, B, B]
+    assert (want.shared_rows, results[2][0].shared_rows) == (0, B if "share" in layout else 0)
     for stats, grads in others:
         assert stats.loss == pytest.approx(want.loss, rel=1e-10)
         assert stats.kl == pytest.approx(want.kl, rel=1e-10)

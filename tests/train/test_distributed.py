@@ -24,12 +24,9 @@ from grpokit.train.evaluate import combine_evaluations
 
 TIME_KEYS = {"time_sampling_s", "time_scoring_s", "time_training_s", "tokens_per_s"}
 # the shipped tiny model on the demo's sort task; 4 micro-batches per rank (gradient accumulation
-# with the sync deferred to the last), a reference model, mu = 2 (pi_old != pi_theta). Prompt
-# sharing is off under torchrun, so one process is put in the same padded layout: the comparison is
-# then of one process against two ranks, not of two layouts' float32 round-off (which 2 Adam steps
-# amplify to ~4e-6 with model.fused_layers' own norm backward)
+# with the sync deferred to the last), a reference model, mu = 2 (pi_old != pi_theta), prompts
+# shared (train.share_prompts, the default) in one process and under torchrun alike
 COMMON = [
-    "train.share_prompts=false",
     "train.prompts_per_step=8",
     "train.micro_batch_size=4",
     "train.mu=2",
@@ -113,6 +110,8 @@ def test_ddp_run_matches_one_process_and_writes_once(single, ddp):
         # the same completions and rewards: the sampler draws each row's uniforms from one global block
         for key in ("reward_mean", "reward_std", "accuracy", "completion_length_mean", "zero_std_fraction"):
             assert x[key] == y[key], key
+        # the ranks lay their micro-batches out as one process does, prompts computed once
+        assert y["prompt_shared_fraction"] == x["prompt_shared_fraction"] > 0.5
         for key in ("loss", "kl", "grad_norm", "entropy", "clip_fraction", "advantage_abs_mean"):
             assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-7), key
     s1, s2 = (json.loads((r / "summary.json").read_text()) for r in (single, ddp))

@@ -69,6 +69,10 @@ class UpdateStats:
     mismatch_abs_sum: float = 0.0
     mismatch_outside: float = 0.0
     mismatch_tokens: int = 0
+    # rows trained (``rows``) and those of them whose micro-batch computed its prompt once
+    # (``train.share_prompts``), over the ranks and optimizer steps
+    rows: int = 0
+    shared_rows: int = 0
 
     @staticmethod
     def combine(steps: list[UpdateStats]) -> UpdateStats:
@@ -91,6 +95,8 @@ class UpdateStats:
             mismatch_abs_sum=sum(s.mismatch_abs_sum for s in steps),
             mismatch_outside=sum(s.mismatch_outside for s in steps),
             mismatch_tokens=sum(s.mismatch_tokens for s in steps),
+            rows=sum(s.rows for s in steps),
+            shared_rows=sum(s.shared_rows for s in steps),
             **weighted,
         )
 
@@ -139,6 +145,11 @@ class MicroBatch:
     completion_mask: torch.Tensor  # [b, T'] bool
     # packed: [b, T'] where in the flattened [bins * N] positions completion token t is predicted
     gather: torch.Tensor | None = None
+
+    @property
+    def shared(self) -> bool:
+        """Laid out by :func:`collate_shared`: each prompt once, the 4D mask keeping rows apart."""
+        return self.attention_mask is not None and self.attention_mask.dim() == 4
 
 
 def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int | None = None) -> list[list[int]]:
@@ -455,6 +466,7 @@ def accumulate_policy_gradient(
     sums = dict.fromkeys(_TOKEN_METRICS, 0.0)
     loss_total, ratio_max, tokens = 0.0, float("-inf"), 0
     mismatch = [0.0, 0.0, 0.0]  # |diff| sum, tokens outside [0.9, 1.1], tokens
+    layout = [0.0, 0.0]  # rows, rows in a shared-prompt micro-batch
     for k, rows in enumerate(plan):
         with grad_sync(model, enabled=k == len(plan) - 1):
             stats = _micro_batch_backward(
@@ -464,6 +476,7 @@ def accumulate_policy_gradient(
             )  # fmt: skip
         if stats is None:
             continue
+        layout = [layout[0] + len(rows), layout[1] + stats.pop("shared") * len(rows)]
         mismatch = [a + b for a, b in zip(mismatch, stats.pop("mismatch"), strict=True)]
         loss_total += stats.pop("loss")
         n = int(stats.pop("num_tokens"))
@@ -472,11 +485,12 @@ def accumulate_policy_gradient(
         for key in _TOKEN_METRICS:
             sums[key] += stats[key] * n
     loss_total, tokens, *values = d.sum(
-        [loss_total, float(tokens), *mismatch, *(sums[key] for key in _TOKEN_METRICS)]
+        [loss_total, float(tokens), *layout, *mismatch, *(sums[key] for key in _TOKEN_METRICS)]
     )
-    mismatch, values = values[:3], values[3:]
+    layout, mismatch, values = values[:2], values[2:5], values[5:]
     ratio_max, tokens = d.max(ratio_max), int(tokens)
     seen = dict(mismatch_abs_sum=mismatch[0], mismatch_outside=mismatch[1], mismatch_tokens=int(mismatch[2]))
+    seen.update(rows=int(layout[0]), shared_rows=int(layout[1]))
     if not tokens:
         return UpdateStats(loss=loss_total, num_tokens=0, **seen)
     means = {key: v / tokens for key, v in zip(_TOKEN_METRICS, values, strict=True)}
@@ -547,6 +561,7 @@ def _micro_batch_backward(
         )
         mismatch = (float(abs_sum), float(outside), float(compared))
     return {
+        "shared": mb.shared,
         "mismatch": mismatch,
         "loss": float(loss.detach()),
         "num_tokens": n,

@@ -159,6 +159,7 @@ def step_metrics(
         "completion_length_max": int(lengths.max()),
         "truncated_fraction": float(rollout.truncated.float().mean()),
         "grad_norm": stats.grad_norm,
+        "prompt_shared_fraction": stats.shared_rows / stats.rows if stats.rows else float("nan"),
         "num_unscored": scores.num_unscored,
         "reward_failures": scores.num_failed,
         "time_sampling_s": t_sampled - t0,

@@ -69,10 +69,6 @@ class Learner:
         self.sharing_off = (
             prompt_sharing_reason(model) if cfg.train.share_prompts else "train.share_prompts is off"
         )
-        if self.sharing_off is None and dist.enabled:
-            # a 2-rank DDP run with it crashed rank 1 at exit (SIGABRT after the last step): not yet
-            # understood, so torchrun keeps the padded layout
-            self.sharing_off = "under torchrun it is not supported yet"
         self.share = prompt_sharing_costs(model) if self.sharing_off is None else None
         self.layout = dict(fused_head=self.fused_head, packed=self.packed, share=self.share)
 
