@@ -111,6 +111,33 @@ def test_own_path_samples_the_hf_tokens(family, params):
         assert int(lengths.min()) < int(lengths.max())
 
 
+@pytest.mark.parametrize("decode", ["auto", "hf"])
+def test_sampling_leaves_ordinary_tensors_on_the_model_and_in_the_rollout(decode):
+    """The sampler runs under inference mode. HF's dynamic rope registers a new ``inv_freq`` once
+    the sequence outgrows ``max_position_embeddings``; that buffer, and every tensor of the rollout,
+    must be an ordinary tensor afterwards, usable under autograd and updatable in place."""
+    tok = char_tokenizer()
+    torch.manual_seed(6)
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0}
+    config = LlamaConfig(
+        **{**SMALL, "max_position_embeddings": 8}, rope_parameters=rope, vocab_size=len(tok),
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    before = model.model.rotary_emb.inv_freq
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, decode=decode)
+    r = sample(model, tok, PROMPTS, 2, params, torch.Generator().manual_seed(0))
+    assert model.model.rotary_emb.inv_freq is not before  # the rope did rescale while sampling
+    assert not any(b.is_inference() for b in model.buffers())
+    model.model.rotary_emb.inv_freq.mul_(1.0)  # in place, outside inference mode (DDP's broadcast)
+    fields = [r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.truncated]
+    assert not any(t.is_inference() for t in [*fields, r.sampler_logp, r.policy_version])
+    ids = torch.cat([r.prompt_ids.repeat_interleave(2, dim=0), r.completion_ids], dim=1)
+    logits = model(input_ids=ids).logits[:, -r.completion_ids.shape[1] - 1 : -1]
+    new_logp = logits.log_softmax(-1).gather(-1, r.completion_ids[..., None]).squeeze(-1)
+    (torch.exp(new_logp - r.sampler_logp) * r.completion_mask).sum().backward()  # pi_old in a ratio
+
+
 def test_the_shipped_model_samples_the_same_on_both_paths():
     from grpokit.models.loading import load_model
 

@@ -196,3 +196,34 @@ def test_reset_must_not_differ_within_a_row(chatml):
     with pytest.raises(ValueError, match="different messages for the same row"):
         sample_episodes(model, tok, ROWS, Random, 2, SamplingParams(max_new_tokens=4),
                         max_turns=2, max_episode_tokens=20)  # fmt: skip
+
+
+class Keeps(Echo):
+    """Makes a tensor in each step, as an environment with a neural judge would, and keeps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[torch.Tensor] = []
+
+    def step(self, completion: str) -> StepResult:
+        self.made.append(torch.tensor([float(len(completion))]))
+        return super().step(completion)
+
+
+def test_episodes_give_ordinary_tensors_and_run_environments_outside_inference_mode(chatml):
+    model, tok = chatml
+    envs: list[Keeps] = []
+
+    def make() -> Keeps:
+        envs.append(Keeps())
+        return envs[-1]
+
+    r = sample_episodes(
+        model, tok, ROWS, make, 2, SamplingParams(max_new_tokens=12, temperature=1.0),
+        torch.Generator().manual_seed(0), max_turns=3, max_episode_tokens=200,
+    )  # fmt: skip
+    made = [t for env in envs for t in env.made]
+    assert made and not any(t.is_inference() for t in made)
+    fields = [r.prompt_ids, r.completion_ids, r.completion_mask, r.sampler_logp, r.model_mask]
+    assert not any(t.is_inference() for t in fields)
+    assert not any(b.is_inference() for b in model.buffers())

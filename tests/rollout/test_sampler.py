@@ -249,3 +249,17 @@ def test_inverse_cdf_draws_the_float64_reference_token(V):
     assert torch.equal(index[clear], ref_index[clear])
     exact = torch.log_softmax(z.double(), -1).gather(-1, index[:, None]).squeeze(-1)
     torch.testing.assert_close(logp.double(), exact, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("V", [83, 3 * CDF_BLOCK + 7])
+def test_inverse_cdf_at_u_one_draws_the_last_token_with_mass(V):
+    """u = 1 (the upper end, which torch.rand never gives) with the vocabulary's tail masked, as
+    top-k leaves it: the draw stops at the last token with mass, never a masked one."""
+    g = torch.Generator().manual_seed(V)
+    z = torch.randn(6, V, generator=g)
+    last = torch.tensor([0, 1, V // 2, V - 40, V - 2, V - 1])
+    z = z.masked_fill(torch.arange(V)[None] > last[:, None], float("-inf"))
+    index, logp = inverse_cdf(z, torch.ones(6))
+    assert torch.equal(index, last)
+    exact = torch.log_softmax(z.double(), -1).gather(-1, last[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp.double(), exact, rtol=0, atol=2e-6)

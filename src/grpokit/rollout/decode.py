@@ -98,12 +98,14 @@ class _Layer:
 
 @dataclass
 class KVState:
-    """The decoding batch: per layer keys / values [b, K, C, D] filled up to ``length``, which key
-    positions are real ([b, C] bool: False at the prompts' left padding), each row's next position."""
+    """The decoding batch: per layer keys / values [b, K, C, D] filled up to ``length``, the
+    attention bias of each key position ([b, C] in the keys' dtype: -inf at the prompts' left
+    padding, else 0: SDPA's own conversion of a bool mask, made once instead of per layer and
+    step), each row's next position."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    key_mask: torch.Tensor
+    key_bias: torch.Tensor
     positions: torch.Tensor  # [b] long
     length: int
 
@@ -146,7 +148,7 @@ class OwnDecoder:
                     None if kn is None else kn.weight,
                 )
             )
-        self.cos = self.sin = None  # [C, D] rotary tables (sin signed, see _signed), made at the prompt pass
+        self.rope = None  # [C, 2D] rotary table: cos | signed sin (see _signed), made at the prompt pass
         self._logits_buf: torch.Tensor | None = None  # see _logits
 
     def prefill(
@@ -159,7 +161,7 @@ class OwnDecoder:
         if not self.rope_per_step:  # the model's own rotary module, asked once for every position
             probe = self.embed[:1][None]
             cos, sin = self.rotary(probe, torch.arange(capacity, device=device)[None])
-            self.cos, self.sin = cos[0], _signed(sin[0])
+            self.rope = torch.cat((cos[0], _signed(sin[0])), dim=-1)
         positions_PL = (mask_PL.long().cumsum(dim=1) - 1).clamp(min=0)
         causal_LL = torch.ones(L, L, dtype=torch.bool, device=device).tril()
         eye_LL = torch.eye(L, dtype=torch.bool, device=device)
@@ -174,18 +176,18 @@ class OwnDecoder:
             values[i] = v.new_empty((b, self.K, capacity, self.D))
             keys[i][:, :, :L] = k.repeat_interleave(group_size, dim=0)
             values[i][:, :, :L] = v.repeat_interleave(group_size, dim=0)
-        key_mask = torch.ones((b, capacity), dtype=torch.bool, device=device)
-        key_mask[:, :L] = mask_PL.repeat_interleave(group_size, dim=0)
+        key_bias = keys[0].new_zeros((b, capacity))
+        key_bias[:, :L].masked_fill_(~mask_PL.repeat_interleave(group_size, dim=0), float("-inf"))
         positions_b = mask_PL.sum(dim=1).repeat_interleave(group_size)
         logits_PV = self._logits(hidden_PLd[:, -1])
-        return logits_PV.repeat_interleave(group_size, dim=0), KVState(keys, values, key_mask, positions_b, L)
+        return logits_PV.repeat_interleave(group_size, dim=0), KVState(keys, values, key_bias, positions_b, L)
 
     def step(self, ids_b: torch.Tensor, state: KVState) -> torch.Tensor:
         """Feed one token per row; return the next-token logits [b, V]."""
-        length, capacity = state.length + 1, state.key_mask.shape[1]
+        length, capacity = state.length + 1, state.key_bias.shape[1]
         if length > capacity:
             raise ValueError(f"the cache holds {capacity} positions; step {length} does not fit")
-        attend_b11S = state.key_mask[:, None, None, :length]
+        attend_b11S = state.key_bias[:, None, None, :length]
         hidden_b1d = self._forward(
             ids_b[:, None], state.positions[:, None], attend_b11S, state.keys, state.values, state.length
         )
@@ -196,7 +198,7 @@ class OwnDecoder:
         """Keep only rows ``keep_b`` (indices) in the batch."""
         state.keys = [k.index_select(0, keep_b) for k in state.keys]
         state.values = [v.index_select(0, keep_b) for v in state.values]
-        state.key_mask, state.positions = state.key_mask[keep_b], state.positions[keep_b]
+        state.key_bias, state.positions = state.key_bias[keep_b], state.positions[keep_b]
 
     def _logits(self, hidden_bd: torch.Tensor) -> torch.Tensor:
         """The next-token logits [b, V]. A plain float32 head (no autocast, no hook, forward not
@@ -224,10 +226,10 @@ class OwnDecoder:
         x = F.embedding(ids, self.embed)
         if self.rope_per_step:
             cos, sin = self.rotary(x, positions)
-            sin = _signed(sin)
+            cos, sin = cos[:, None], _signed(sin)[:, None]  # [b, 1, Q, D]
         else:
-            cos, sin = self.cos[positions], self.sin[positions]
-        cos, sin = cos[:, None], sin[:, None]  # [b, 1, Q, D]
+            rope = self.rope[positions][:, None]  # one lookup for both tables
+            cos, sin = rope[..., :D], rope[..., D:]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.in_norm, self.eps)
             if len(layer.qkv) == 1:

@@ -44,6 +44,7 @@ from grpokit.rollout.sampler import (
     _sample_next,
     _step,
     encode_prompts,
+    ordinary_buffers,
     pad_token_id,
     prompt_pass,
     sample,
@@ -188,67 +189,72 @@ def sample_episodes(
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [fmt.render(first[p * G], True) for p in range(P)])
     stops = tuple(params.stop) + tuple(envs[0].stop)
     eos, pad = tokenizer.eos_token_id, pad_token_id(tokenizer)
-    u_KB = uniforms(max_episode_tokens, total, row_offset, B, params.temperature, generator, device)
-    logits_bV, cache, attn_bL = prompt_pass(model, prompt_ids, prompt_mask, G, device)
+    # inference mode, as in sampler.sample: nothing made here leaves it but Python lists (the
+    # environments' own steps run outside it)
+    with torch.inference_mode():
+        u_KB = uniforms(max_episode_tokens, total, row_offset, B, params.temperature, generator, device)
+        logits_bV, cache, attn_bL = prompt_pass(model, prompt_ids, prompt_mask, G, device)
 
-    rec = [_Record(list(first[b])) for b in range(B)]
-    active = list(range(B))  # rows still running, in the cache's batch order
-    while active:
-        u_b = u_KB[[rec[b].num_model for b in active], active]
-        next_b, logp_b = _sample_next(logits_bV, params, u_b)
-        feeds, keep = [], []
-        for j, b in enumerate(active):
-            token, r = int(next_b[j]), rec[b]
-            r.add([token], True, [float(logp_b[j])])
-            r.turn.append(token)
-            ended = token == eos or (
-                bool(stops) and bool(_hits_stop(tokenizer, torch.tensor([r.turn]), stops)[0])
-            )
-            if not ended and len(r.turn) < params.max_new_tokens and len(r.ids) < max_episode_tokens:
-                feeds.append([token])
+        rec = [_Record(list(first[b])) for b in range(B)]
+        active = list(range(B))  # rows still running, in the cache's batch order
+        while active:
+            u_b = u_KB[[rec[b].num_model for b in active], active]
+            next_b, logp_b = _sample_next(logits_bV, params, u_b)
+            feeds, keep = [], []
+            for j, b in enumerate(active):
+                token, r = int(next_b[j]), rec[b]
+                r.add([token], True, [float(logp_b[j])])
+                r.turn.append(token)
+                ended = token == eos or (
+                    bool(stops) and bool(_hits_stop(tokenizer, torch.tensor([r.turn]), stops)[0])
+                )
+                if not ended and len(r.turn) < params.max_new_tokens and len(r.ids) < max_episode_tokens:
+                    feeds.append([token])
+                    keep.append(j)
+                    continue
+                turn_text = tokenizer.decode(
+                    r.turn, skip_special_tokens=False, clean_up_tokenization_spaces=False
+                )
+                before = list(r.messages)
+                content = assistant_content(fmt, turn_text)
+                r.messages.append({"role": "assistant", "content": content})
+                r.turns.append(Turn("assistant", content, True, len(r.turn)))
+                r.turn = []
+                if not ended:
+                    r.stop = "turn_length" if len(r.ids) < max_episode_tokens else "budget"
+                    continue
+                with torch.inference_mode(False):  # the user's environment: ordinary tensors
+                    res = envs[b].step(content)
+                if res.reward is not None:
+                    r.reward = (r.reward or 0.0) + float(res.reward)
+                r.tool_calls += int(res.info.get("tool_calls", 0))
+                r.tool_errors += int(res.info.get("tool_errors", 0))
+                if res.observation is None:
+                    r.stop = "done"
+                    continue
+                if r.num_turns == max_turns:
+                    r.stop = "max_turns"
+                    continue
+                text = observation_text(fmt, before, turn_text, res.observation)
+                delta = tokenizer(text, add_special_tokens=False)["input_ids"]
+                if len(r.ids) + len(delta) >= max_episode_tokens:  # no room for the observation and a reply
+                    r.stop = "budget"
+                    continue
+                r.messages.extend(res.observation)
+                r.turns.append(Turn("+".join(m["role"] for m in res.observation), text, False, len(delta)))
+                r.add(delta, False, [0.0] * len(delta))
+                feeds.append([token, *delta])
                 keep.append(j)
-                continue
-            turn_text = tokenizer.decode(
-                r.turn, skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
-            before = list(r.messages)
-            content = assistant_content(fmt, turn_text)
-            r.messages.append({"role": "assistant", "content": content})
-            r.turns.append(Turn("assistant", content, True, len(r.turn)))
-            r.turn = []
-            if not ended:
-                r.stop = "turn_length" if len(r.ids) < max_episode_tokens else "budget"
-                continue
-            res = envs[b].step(content)
-            if res.reward is not None:
-                r.reward = (r.reward or 0.0) + float(res.reward)
-            r.tool_calls += int(res.info.get("tool_calls", 0))
-            r.tool_errors += int(res.info.get("tool_errors", 0))
-            if res.observation is None:
-                r.stop = "done"
-                continue
-            if r.num_turns == max_turns:
-                r.stop = "max_turns"
-                continue
-            text = observation_text(fmt, before, turn_text, res.observation)
-            delta = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(r.ids) + len(delta) >= max_episode_tokens:  # no room for the observation and a reply
-                r.stop = "budget"
-                continue
-            r.messages.extend(res.observation)
-            r.turns.append(Turn("+".join(m["role"] for m in res.observation), text, False, len(delta)))
-            r.add(delta, False, [0.0] * len(delta))
-            feeds.append([token, *delta])
-            keep.append(j)
-        if not keep:
-            break
-        if len(keep) < len(active):  # drop finished rows from the batch and the cache
-            keep_t = torch.tensor(keep, device=device)
-            cache.batch_select_indices(keep_t)
-            attn_bL = attn_bL[keep_t]
-            active = [active[j] for j in keep]
-        logits_bV, cache, attn_bL = _feed(model, feeds, attn_bL, cache, pad, device)
+            if not keep:
+                break
+            if len(keep) < len(active):  # drop finished rows from the batch and the cache
+                keep_t = torch.tensor(keep, device=device)
+                cache.batch_select_indices(keep_t)
+                attn_bL = attn_bL[keep_t]
+                active = [active[j] for j in keep]
+            logits_bV, cache, attn_bL = _feed(model, feeds, attn_bL, cache, pad, device)
 
+    ordinary_buffers(model)
     T = max(len(r.ids) for r in rec)
     ids_BT = torch.full((B, T), pad, dtype=torch.long)
     real_BT = torch.zeros((B, T), dtype=torch.bool)

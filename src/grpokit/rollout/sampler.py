@@ -204,43 +204,50 @@ def sample(
     total = B if num_rows_total is None else num_rows_total
     if not 0 <= row_offset <= total - B:
         raise ValueError(f"rows [{row_offset}, {row_offset + B}) do not fit a batch of {total} rows")
-    u_TB = uniforms(params.max_new_tokens, total, row_offset, B, params.temperature, generator, device)
-    decoder = decoder_for(model, params.decode, prompt_ids.shape[1] + params.max_new_tokens)
-    logits_bV, state = decoder.prefill(
-        prompt_ids.to(device), prompt_mask.to(device), group_size, prompt_ids.shape[1] + params.max_new_tokens
-    )
-
     out_BT = torch.full((B, params.max_new_tokens), pad, dtype=torch.long)
     logp_BT = torch.zeros((B, params.max_new_tokens), dtype=torch.float32)
     mask_BT = torch.zeros((B, params.max_new_tokens), dtype=torch.bool)
-    finished_B = torch.zeros(B, dtype=torch.bool)
-    rows_b = torch.arange(B, device=device)  # the batch's rows, as indices into the B rows
-    live_b = torch.ones(B, dtype=torch.bool, device=device)  # still decoding (finished rows wait to leave)
-    segment = _Segment(0)  # the steps since the batch last changed, written out when it changes
+    finished_B = torch.ones(B, dtype=torch.bool)
+    # Inference mode: no autograd bookkeeping on the loop's hundreds of small tensors per step (a
+    # fifth of a call at the shipped model). Its tensors never leave it: the outputs above are
+    # ordinary tensors, written in place, so the trainer may use them under autograd, and buffers
+    # the model registered meanwhile are made ordinary after it (ordinary_buffers).
+    with torch.inference_mode():
+        u_TB = uniforms(params.max_new_tokens, total, row_offset, B, params.temperature, generator, device)
+        capacity = prompt_ids.shape[1] + params.max_new_tokens
+        decoder = decoder_for(model, params.decode, capacity)
+        logits_bV, state = decoder.prefill(
+            prompt_ids.to(device), prompt_mask.to(device), group_size, capacity
+        )
+        u_TB = u_TB.double()  # (the draw's precision, converted once)
+        rows_b = torch.arange(B, device=device)  # the batch's rows, as indices into the B rows
+        live_b = torch.ones(B, dtype=torch.bool, device=device)  # still decoding
+        segment = _Segment(0)  # the steps since the batch last changed, written out when it changes
+        for t in range(params.max_new_tokens):
+            next_b, logp_b = _sample_next(logits_bV, params, u_TB[t])
+            segment.add(next_b, logp_b, live_b)
+            if eos is not None:
+                live_b = live_b & (next_b != eos)
+            if params.stop:
+                segment.write(rows_b, out_BT, logp_BT, mask_BT, pad)
+                segment = _Segment(t + 1)
+                hit = _hits_stop(tokenizer, out_BT[rows_b[live_b].cpu(), : t + 1], params.stop)
+                live_b = live_b.masked_scatter(live_b, ~hit.to(device))
+            num_live = int(live_b.sum())
+            if t == params.max_new_tokens - 1 or num_live == 0:
+                break
+            if len(rows_b) - num_live > decoder.keep_finished * len(rows_b):  # drop finished rows
+                segment.write(rows_b, out_BT, logp_BT, mask_BT, pad)
+                segment = _Segment(t + 1)
+                keep_b = live_b.nonzero().flatten()
+                decoder.select(state, keep_b)
+                rows_b, next_b, live_b = rows_b[keep_b], next_b[keep_b], live_b[keep_b]
+                u_TB = u_TB[:, keep_b]
+            logits_bV = decoder.step(next_b, state)
+        segment.write(rows_b, out_BT, logp_BT, mask_BT, pad)
+        finished_B[rows_b[live_b].cpu()] = False  # still decoding after the last step: truncated
 
-    for t in range(params.max_new_tokens):
-        next_b, logp_b = _sample_next(logits_bV, params, u_TB[t].index_select(0, rows_b))
-        segment.add(next_b, logp_b, live_b)
-        done_b = (next_b == eos) & live_b if eos is not None else torch.zeros_like(live_b)
-        if params.stop:
-            segment.write(rows_b, out_BT, logp_BT, mask_BT, pad)
-            segment = _Segment(t + 1)
-            live = rows_b[live_b].cpu()
-            done_b[live_b] |= _hits_stop(tokenizer, out_BT[live, : t + 1], params.stop).to(device)
-        finished_B[rows_b[done_b].cpu()] = True
-        live_b = live_b & ~done_b
-        num_live = int(live_b.sum())
-        if t == params.max_new_tokens - 1 or num_live == 0:
-            break
-        if len(rows_b) - num_live > decoder.keep_finished * len(rows_b):  # drop finished rows
-            segment.write(rows_b, out_BT, logp_BT, mask_BT, pad)
-            segment = _Segment(t + 1)
-            keep_b = live_b.nonzero().flatten()
-            decoder.select(state, keep_b)
-            rows_b, next_b, live_b = rows_b[keep_b], next_b[keep_b], live_b[keep_b]
-        logits_bV = decoder.step(next_b, state)
-    segment.write(rows_b, out_BT, logp_BT, mask_BT, pad)
-
+    ordinary_buffers(model)
     T = int(mask_BT.sum(dim=1).max())
     out_BT, mask_BT, logp_BT = out_BT[:, :T], mask_BT[:, :T], logp_BT[:, :T]
     texts = [
@@ -318,7 +325,13 @@ def inverse_cdf(z_bV: torch.Tensor, u_b: torch.Tensor) -> tuple[torch.Tensor, to
     b, V = p_bV.shape
     if V <= CDF_BLOCK:  # few operators per token: small models' decode steps are cheap
         cdf_bV = p_bV.double().cumsum(dim=-1)
-        index_b = _first_above(cdf_bV, u_b.double() * cdf_bV[:, -1])
+        total_b = cdf_bV[:, -1]
+        # The first index whose (sequential, non-decreasing) cumulative sum exceeds a target >= 0
+        # is where the sum rose: a token with mass, without _first_above's clamps. Capped just
+        # below the total (which only u = 1 reaches), it is never past the last token with mass.
+        below_b = torch.nextafter(total_b, torch.zeros_like(total_b))
+        target_b = torch.minimum(u_b.double() * total_b, below_b)
+        index_b = torch.searchsorted(cdf_bV, target_b[:, None], right=True).squeeze(-1)
         return index_b, torch.log_softmax(z_bV, dim=-1).gather(-1, index_b[:, None]).squeeze(-1)
     full = V // CDF_BLOCK * CDF_BLOCK
     sums = [p_bV[:, :full].reshape(b, -1, CDF_BLOCK).sum(dim=-1)] if full else []
@@ -347,6 +360,16 @@ def _first_above(cdf_bK: torch.Tensor, target_b: torch.Tensor) -> torch.Tensor:
     first_b = (cdf_bK <= 0).sum(dim=-1)
     last_b = (cdf_bK < cdf_bK[:, -1:]).sum(dim=-1)
     return torch.minimum(torch.maximum(index_b, first_b), last_b)
+
+
+def ordinary_buffers(model) -> None:
+    """Replace the buffers a forward registered under inference mode (HF's dynamic rope registers
+    a new ``inv_freq`` when the sequence outgrows it) by ordinary copies: an inference tensor left
+    on the model could not be updated in place (DDP's buffer broadcast) or saved for backward."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_inference():
+                module._buffers[name] = buf.clone()
 
 
 def _hits_stop(tokenizer, ids_bt: torch.Tensor, stop: tuple[str, ...]) -> torch.Tensor:
