@@ -248,11 +248,12 @@ def sample(
         finished_B[rows_b[live_b].cpu()] = False  # still decoding after the last step: truncated
 
     ordinary_buffers(model)
-    T = int(mask_BT.sum(dim=1).max())
+    lengths = mask_BT.sum(dim=1).tolist()  # a row's real tokens are a prefix (it never resumes)
+    T = max(lengths)
     out_BT, mask_BT, logp_BT = out_BT[:, :T], mask_BT[:, :T], logp_BT[:, :T]
     texts = [
-        tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
-        for row, m in zip(out_BT, mask_BT, strict=True)
+        tokenizer.decode(row[:n], skip_special_tokens=True)
+        for row, n in zip(out_BT.tolist(), lengths, strict=True)
     ]
     version_B = torch.full((B,), policy_version, dtype=torch.long)
     return Rollout(
