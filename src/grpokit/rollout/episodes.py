@@ -44,10 +44,10 @@ from grpokit.rollout.sampler import (
     _sample_next,
     _step,
     encode_prompts,
-    ordinary_buffers,
     pad_token_id,
     prompt_pass,
     sample,
+    sampling_mode,
     uniforms,
 )
 
@@ -189,9 +189,8 @@ def sample_episodes(
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [fmt.render(first[p * G], True) for p in range(P)])
     stops = tuple(params.stop) + tuple(envs[0].stop)
     eos, pad = tokenizer.eos_token_id, pad_token_id(tokenizer)
-    # inference mode, as in sampler.sample: nothing made here leaves it but Python lists (the
-    # environments' own steps run outside it)
-    with torch.inference_mode():
+    # nothing made inside leaves it but Python lists (the environments' own steps run outside it)
+    with sampling_mode(model):
         u_KB = uniforms(max_episode_tokens, total, row_offset, B, params.temperature, generator, device)
         logits_bV, cache, attn_bL = prompt_pass(model, prompt_ids, prompt_mask, G, device)
 
@@ -254,7 +253,6 @@ def sample_episodes(
                 active = [active[j] for j in keep]
             logits_bV, cache, attn_bL = _feed(model, feeds, attn_bL, cache, pad, device)
 
-    ordinary_buffers(model)
     T = max(len(r.ids) for r in rec)
     ids_BT = torch.full((B, T), pad, dtype=torch.long)
     real_BT = torch.zeros((B, T), dtype=torch.bool)

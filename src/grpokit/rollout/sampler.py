@@ -26,6 +26,7 @@ Shape legend: P prompts, G group size, B = P * G rows, L prompt length, T comple
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -207,12 +208,9 @@ def sample(
     out_BT = torch.full((B, params.max_new_tokens), pad, dtype=torch.long)
     logp_BT = torch.zeros((B, params.max_new_tokens), dtype=torch.float32)
     mask_BT = torch.zeros((B, params.max_new_tokens), dtype=torch.bool)
-    finished_B = torch.ones(B, dtype=torch.bool)
-    # Inference mode: no autograd bookkeeping on the loop's hundreds of small tensors per step (a
-    # fifth of a call at the shipped model). Its tensors never leave it: the outputs above are
-    # ordinary tensors, written in place, so the trainer may use them under autograd, and buffers
-    # the model registered meanwhile are made ordinary after it (ordinary_buffers).
-    with torch.inference_mode():
+    truncated_B = torch.zeros(B, dtype=torch.bool)
+    # the outputs above are ordinary tensors, written in place inside (see sampling_mode)
+    with sampling_mode(model):
         u_TB = uniforms(params.max_new_tokens, total, row_offset, B, params.temperature, generator, device)
         capacity = prompt_ids.shape[1] + params.max_new_tokens
         decoder = decoder_for(model, params.decode, capacity)
@@ -245,9 +243,8 @@ def sample(
                 u_TB = u_TB[:, keep_b]
             logits_bV = decoder.step(next_b, state)
         segment.write(rows_b, out_BT, logp_BT, mask_BT, pad)
-        finished_B[rows_b[live_b].cpu()] = False  # still decoding after the last step: truncated
+        truncated_B[rows_b[live_b].cpu()] = True  # still decoding after the last step
 
-    ordinary_buffers(model)
     lengths = mask_BT.sum(dim=1).tolist()  # a row's real tokens are a prefix (it never resumes)
     T = max(lengths)
     out_BT, mask_BT, logp_BT = out_BT[:, :T], mask_BT[:, :T], logp_BT[:, :T]
@@ -257,7 +254,7 @@ def sample(
     ]
     version_B = torch.full((B,), policy_version, dtype=torch.long)
     return Rollout(
-        prompt_ids, prompt_mask, out_BT, mask_BT, ~finished_B, texts, group_size, logp_BT, version_B
+        prompt_ids, prompt_mask, out_BT, mask_BT, truncated_B, texts, group_size, logp_BT, version_B
     )
 
 
@@ -363,14 +360,22 @@ def _first_above(cdf_bK: torch.Tensor, target_b: torch.Tensor) -> torch.Tensor:
     return torch.minimum(torch.maximum(index_b, first_b), last_b)
 
 
-def ordinary_buffers(model) -> None:
-    """Replace the buffers a forward registered under inference mode (HF's dynamic rope registers
-    a new ``inv_freq`` when the sequence outgrows it) by ordinary copies: an inference tensor left
-    on the model could not be updated in place (DDP's buffer broadcast) or saved for backward."""
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is not None and buf.is_inference():
-                module._buffers[name] = buf.clone()
+@contextlib.contextmanager
+def sampling_mode(model):
+    """``torch.inference_mode()`` for a sampling loop: no autograd bookkeeping on the hundreds of
+    small tensors a decode step makes (a fifth of a call at the shipped model). Tensors made inside
+    must not leave it; on the way out (error or not), the buffers a forward registered inside are
+    replaced by ordinary copies: HF's dynamic rope registers a new ``inv_freq`` when the sequence
+    outgrows it, and an inference tensor left on the model could not be updated in place (DDP's
+    buffer broadcast) or saved for backward."""
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.is_inference():
+                    module._buffers[name] = buf.clone()
 
 
 def _hits_stop(tokenizer, ids_bt: torch.Tensor, stop: tuple[str, ...]) -> torch.Tensor:
