@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -412,6 +413,10 @@ def main() -> None:
 
     if not Path(a.trl_python).exists():
         sys.exit(f"{a.trl_python} not found: run `make bench-trl` (it creates .venv-trl with TRL from PyPI)")
+    # py-spy from PATH or from this interpreter's virtualenv (`.venv/bin/pip install py-spy`)
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if a.profile and py_spy is None:
+        sys.exit("--profile needs py-spy: `.venv/bin/pip install py-spy`")
     work = Path(tempfile.mkdtemp(prefix="bench-trl-"))
     if a.model == "smollm2":
         model_dir, data, params = build_smollm2(work, a.steps)
@@ -429,7 +434,7 @@ def main() -> None:
         cmd += [f"--set={x}" for x in a.set] if name == "grpokit" else []
         stacks = work / f"py-spy-{name}.txt"
         if a.profile:
-            cmd = ["py-spy", "record", "-r", "100", "-f", "raw", "-o", str(stacks), "--", *cmd]
+            cmd = [py_spy, "record", "-r", "100", "-f", "raw", "-o", str(stacks), "--", *cmd]
         # TRL's virtualenv has no grpokit: the smollm2 reward imports the task's verifier from src/
         src = str(Path(__file__).resolve().parents[1] / "src")
         child_env = {**env, "PYTHONPATH": src} if name == "trl" else env
