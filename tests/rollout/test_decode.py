@@ -156,16 +156,38 @@ def test_under_bfloat16_autocast_the_own_path_follows_hf():
     model, tok = build("qwen2")
     keep_head_float32(model)
     ids, mask = encode_prompts(tok, PROMPTS)
-    own, hf = OwnDecoder(model), HFDecoder(model)
     with torch.no_grad(), mixed_precision("cpu", "bfloat16"):
+        own, hf = OwnDecoder(model), HFDecoder(model)  # made under autocast, as sample() does
         own_logits, own_state = own.prefill(ids, mask, 2, ids.shape[1] + 4)
         hf_logits, hf_state = hf.prefill(ids, mask, 2, ids.shape[1] + 4)
         assert own_logits.dtype == hf_logits.dtype == torch.float32
+        # the layers' weights cast once, the cache in the dtype attention computes in
+        assert own.layers[0].qkv[0][0].dtype == own_state.keys[0].dtype == torch.bfloat16
         for _ in range(4):
             torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=0.05)
             nxt = hf_logits.argmax(-1)
             own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
         torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("decode", ["auto", "hf"])
+def test_under_autocast_a_sampler_call_casts_each_weight_once(decode):
+    """Autocast keeps its casts of the weights for the rest of its context, but not under inference
+    mode, and never for tensors that are not trainable leaves (the own path's fused copies): then
+    every linear casts its weight again at every step (two fifths of a bfloat16 SmolLM2 call)."""
+    model, tok = build("qwen2")
+    weight_shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    weight_shapes |= {(64, 32), (128, 32)}  # the own path's fused q/k/v and gate/up
+    params = SamplingParams(max_new_tokens=8, temperature=0, decode=decode)  # 3 rows per prompt: 12
+    with torch.profiler.profile(record_shapes=True) as prof, mixed_precision("cpu", "bfloat16"):
+        r = sample(model, tok, PROMPTS, 3, params)
+    assert int(r.completion_mask.sum(1).max()) == 8  # 8 steps (greedy: no row ends early here)
+    casts = [
+        e for e in prof.events()
+        if e.name == "aten::_to_copy" and e.input_shapes and tuple(e.input_shapes[0]) in weight_shapes
+    ]  # fmt: skip
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert 0 < len(casts) <= linears
 
 
 def test_models_the_own_path_cannot_serve_say_why():

@@ -132,6 +132,10 @@ class OwnDecoder:
             for layer in base.layers
         )  # about the bytes of the concatenated copies
         fuse = fused <= FUSE_BYTES
+        # under autocast the layers' weights are cast once per sampler call (as autocast's own cache
+        # would, which fused copies and frozen weights never enter): the same values, not per step
+        device_type = self.embed.device.type
+        cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
@@ -140,10 +144,10 @@ class OwnDecoder:
                 _Layer(
                     layer.input_layernorm.weight,
                     layer.post_attention_layernorm.weight,
-                    _maybe_fused([a.q_proj, a.k_proj, a.v_proj], fuse),
-                    (a.o_proj.weight, a.o_proj.bias),
-                    _maybe_fused([m.gate_proj, m.up_proj], fuse),
-                    (m.down_proj.weight, m.down_proj.bias),
+                    _maybe_fused([a.q_proj, a.k_proj, a.v_proj], fuse, cast),
+                    _cast((a.o_proj.weight, a.o_proj.bias), cast),
+                    _maybe_fused([m.gate_proj, m.up_proj], fuse, cast),
+                    _cast((m.down_proj.weight, m.down_proj.bias), cast),
                     None if qn is None else qn.weight,
                     None if kn is None else kn.weight,
                 )
@@ -248,8 +252,10 @@ class OwnDecoder:
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = v.transpose(1, 2)
             if prefill:
-                keys[i], values[i] = k, v
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, enable_gqa=H != K)
+                # the cache holds keys in the dtype attention computes in (autocast's, under it):
+                # cast once as written, not the whole prefix again at every step; the same values
+                keys[i], values[i] = k.to(out.dtype), v.to(out.dtype)
             else:
                 keys[i][:, :, start : start + Q] = k
                 values[i][:, :, start : start + Q] = v
@@ -267,16 +273,28 @@ class OwnDecoder:
         return x
 
 
-def _maybe_fused(linears: list[torch.nn.Linear], fuse: bool) -> list[Linear]:
-    """The projections as (weight, bias) pairs, or with ``fuse`` one pair of their concatenation."""
+def _maybe_fused(linears: list[torch.nn.Linear], fuse: bool, cast: torch.dtype | None) -> list[Linear]:
+    """The projections as (weight, bias) pairs, or with ``fuse`` one pair of their concatenation;
+    in dtype ``cast`` when it is not None (see :func:`_cast`)."""
     pairs = [(x.weight, x.bias) for x in linears]
     if not fuse:
-        return pairs
+        return [_cast(pair, cast) for pair in pairs]
     weight = torch.cat([w for w, _ in pairs])
     if all(bias is None for _, bias in pairs):
-        return [(weight, None)]
+        return [_cast((weight, None), cast)]
     bias = torch.cat([bias if bias is not None else w.new_zeros(w.shape[0]) for w, bias in pairs])
-    return [(weight, bias)]
+    return [_cast((weight, bias), cast)]
+
+
+def _cast(linear: Linear, dtype: torch.dtype | None) -> Linear:
+    """``linear`` in autocast's ``dtype``: the cast autocast makes of each floating weight that
+    ``F.linear`` gets (float64 excepted), made here once; None: as it is."""
+    if dtype is None:
+        return linear
+    return tuple(
+        x if x is None or not x.is_floating_point() or x.dtype == torch.float64 else x.to(dtype)
+        for x in linear
+    )
 
 
 def _linear(linear: Linear, x: torch.Tensor) -> torch.Tensor:

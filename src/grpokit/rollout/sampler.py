@@ -367,9 +367,15 @@ def sampling_mode(model):
     must not leave it; on the way out (error or not), the buffers a forward registered inside are
     replaced by ordinary copies: HF's dynamic rope registers a new ``inv_freq`` when the sequence
     outgrows it, and an inference tensor left on the model could not be updated in place (DDP's
-    buffer broadcast) or saved for backward."""
+    buffer broadcast) or saved for backward.
+
+    Under autocast it is ``torch.no_grad()`` instead: autocast keeps its casts of the weights for
+    the rest of its context only outside inference mode, and inside it every linear casts its
+    weight again at every step (two fifths of a bfloat16 SmolLM2 call; docs/benchmarks.md)."""
+    device_type = next(model.parameters()).device.type
+    grad_off = torch.no_grad() if torch.is_autocast_enabled(device_type) else torch.inference_mode()
     try:
-        with torch.inference_mode():
+        with grad_off:
             yield
     finally:
         for module in model.modules():
