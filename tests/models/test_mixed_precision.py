@@ -69,3 +69,40 @@ def test_a_run_under_bfloat16_autocast_trains_float32_weights(tmp_path, tiny_dir
     for r in rows:
         assert all(isinstance(r[k], float) and r[k] == r[k] for k in ("loss", "kl", "grad_norm"))
         assert r["ratio_max"] > 0
+
+
+def test_every_forward_under_autocast_uses_the_weights_as_they_are(tmp_path, tiny_dir):
+    """One train step runs in one autocast context, and autocast keeps its bfloat16 casts of the
+    weights until the context ends. With several optimizer steps per generation (mu = 2 here), a
+    forward after the first optimizer step must not compute with those stale casts."""
+    sets = {
+        "model.name_or_path": str(tiny_dir),
+        "model.autocast": "bfloat16",
+        "train.output_dir": str(tmp_path / "run"),
+        "train.quiet": True,
+        "train.max_steps": 1,
+        "train.prompts_per_step": 4,
+        "rollout.group_size": 4,
+        "rollout.max_new_tokens": 6,
+        "rollout.temperature": 1.2,
+        "train.eval_every": 0,
+        "train.mu": 2,
+        "train.lr": 1e-2,
+    }
+    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in sets.items()])
+    trainer = GRPOTrainer(cfg, rewards=[varied])
+    proj = next(m for n, m in trainer.model.named_modules() if n.endswith("q_proj"))
+    seen = []  # per call: (the weight then, whether the output is that weight's bfloat16 product)
+
+    def check(module, args, out):
+        x, w, b = args[0], module.weight.detach(), module.bias
+        b = None if b is None else b.bfloat16()
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            fresh = torch.nn.functional.linear(x.bfloat16(), w.bfloat16(), b)
+        seen.append((w.clone(), torch.equal(out, fresh)))
+
+    proj.register_forward_hook(check)
+    trainer.train()
+    moved = [i for i in range(1, len(seen)) if not torch.equal(seen[i][0], seen[0][0])]
+    assert moved, "no forward ran after an optimizer step"
+    assert all(same for _, same in seen)
