@@ -170,12 +170,18 @@ def test_under_bfloat16_autocast_the_own_path_follows_hf():
         torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=0.05)
 
 
-@pytest.mark.parametrize("decode", ["auto", "hf"])
-def test_under_autocast_a_sampler_call_casts_each_weight_once(decode):
+@pytest.mark.parametrize("case", ["own", "own-unfused-frozen", "hf"])
+def test_under_autocast_a_sampler_call_casts_each_weight_once(case, monkeypatch):
     """Autocast keeps its casts of the weights for the rest of its context, but not under inference
-    mode, and never for tensors that are not trainable leaves (the own path's fused copies): then
-    every linear casts its weight again at every step (two fifths of a bfloat16 SmolLM2 call)."""
+    mode, and never for tensors that are not trainable leaves (the own path's fused copies, frozen
+    weights): then every linear casts its weight again at every step (two fifths of a bfloat16
+    SmolLM2 call)."""
     model, tok = build("qwen2")
+    keep_head_float32(model)  # as the trainer does under autocast: the head is never cast
+    decode = "hf" if case == "hf" else "auto"
+    if case == "own-unfused-frozen":
+        monkeypatch.setattr("grpokit.rollout.decode.FUSE_BYTES", 0)
+        model.requires_grad_(False)
     weight_shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     weight_shapes |= {(64, 32), (128, 32)}  # the own path's fused q/k/v and gate/up
     params = SamplingParams(max_new_tokens=8, temperature=0, decode=decode)  # 3 rows per prompt: 12

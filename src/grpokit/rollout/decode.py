@@ -132,8 +132,8 @@ class OwnDecoder:
             for layer in base.layers
         )  # about the bytes of the concatenated copies
         fuse = fused <= FUSE_BYTES
-        # under autocast the layers' weights are cast once per sampler call (as autocast's own cache
-        # would, which fused copies and frozen weights never enter): the same values, not per step
+        # under autocast, weights that autocast's cache does not keep (the fused copies, frozen
+        # weights) are cast once here: the same values, not once per step (see _cast)
         device_type = self.embed.device.type
         cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         self.layers = []
@@ -287,12 +287,19 @@ def _maybe_fused(linears: list[torch.nn.Linear], fuse: bool, cast: torch.dtype |
 
 
 def _cast(linear: Linear, dtype: torch.dtype | None) -> Linear:
-    """``linear`` in autocast's ``dtype``: the cast autocast makes of each floating weight that
-    ``F.linear`` gets (float64 excepted), made here once; None: as it is."""
+    """``linear`` with each tensor that autocast would cast to ``dtype`` at every call made in
+    ``dtype`` once: a floating tensor (float64 excepted) that is not a trainable leaf. Trainable
+    leaves (the policy's own weights) stay as they are: autocast casts them once per context and
+    keeps the copy, which the train step's forward then reuses. None: as it is."""
     if dtype is None:
         return linear
     return tuple(
-        x if x is None or not x.is_floating_point() or x.dtype == torch.float64 else x.to(dtype)
+        x
+        if x is None
+        or not x.is_floating_point()
+        or x.dtype == torch.float64
+        or (x.is_leaf and x.requires_grad)
+        else x.to(dtype)
         for x in linear
     )
 
