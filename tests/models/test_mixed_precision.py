@@ -8,6 +8,7 @@ import torch
 
 from grpokit.config import load_config
 from grpokit.models.loading import keep_head_float32, load_model, mixed_precision, reference_copy
+from grpokit.rollout.sampler import SamplingParams, sample
 from grpokit.train.trainer import GRPOTrainer
 from tests.helpers import varied
 
@@ -106,3 +107,24 @@ def test_every_forward_under_autocast_uses_the_weights_as_they_are(tmp_path, tin
     moved = [i for i in range(1, len(seen)) if not torch.equal(seen[i][0], seen[0][0])]
     assert moved, "no forward ran after an optimizer step"
     assert all(same for _, same in seen)
+
+
+def test_weight_casts_made_while_sampling_still_carry_the_gradient(tiny_dir):
+    """Under autocast the sampler runs under no_grad, and autocast keeps the bfloat16 casts of the
+    weights it made there for the train step's forward: the gradients must be those of casts made
+    with gradients on."""
+    model, tok = load_model(str(tiny_dir))
+    keep_head_float32(model)
+    ids = torch.randint(3, 60, (2, 9), generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, decode="hf")
+
+    def grads(sample_first: bool) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with mixed_precision("cpu", "bfloat16"):
+            if sample_first:
+                sample(model, tok, ["sort:12="], 2, params, torch.Generator().manual_seed(0))
+            model(ids).logits.logsumexp(-1).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    fresh, after_sampling = grads(False), grads(True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, after_sampling, strict=True))
