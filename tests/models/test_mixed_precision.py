@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from grpokit.config import load_config
 from grpokit.models.loading import keep_head_float32, load_model, mixed_precision, reference_copy
+from grpokit.models.tiny import tiny_config
 from grpokit.rollout.sampler import SamplingParams, sample
 from grpokit.train.trainer import GRPOTrainer
 from tests.helpers import varied
@@ -42,6 +45,68 @@ def test_reference_copy_keeps_its_own_float32_head(tiny_dir):
             assert ref(ids).logits.dtype == torch.float32
         assert torch.equal(ref(ids).logits, before)
         assert not torch.equal(model(ids).logits, before)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_reference_under_autocast_stores_its_linear_weights_in_the_autocast_dtype(tied):
+    """reference_copy(model, bfloat16): every Linear but the head in bfloat16, everything else
+    as it was; under autocast the same logits, bit for bit, as a float32 copy (autocast casts the
+    float32 copy's weights to exactly those values at every forward)."""
+    torch.manual_seed(5)
+    config = tiny_config(40, hidden_size=32)
+    config.tie_word_embeddings = tied
+    model = LlamaForCausalLM(config).eval()
+    keep_head_float32(model)
+    plain, cast = reference_copy(model), reference_copy(model, torch.bfloat16)
+    head = cast.get_output_embeddings()
+    linears = [m for m in cast.modules() if type(m) is torch.nn.Linear and m is not head]
+    assert len(linears) == 7 * config.num_hidden_layers
+    assert all(m.weight.dtype == torch.bfloat16 for m in linears)
+    others = [p for n, p in cast.named_parameters() if not any(p is m.weight for m in linears)]
+    assert others and all(p.dtype == torch.float32 for p in others)  # head, embeddings, norms
+    assert (head.weight is cast.get_input_embeddings().weight) == tied
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the policy untouched
+    ids = torch.randint(3, 40, (3, 11), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad(), mixed_precision("cpu", "bfloat16"):
+        want, got = plain(ids).logits, cast(ids).logits
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    size = sum(p.nbytes for p in cast.parameters())
+    assert size < 0.75 * sum(p.nbytes for p in plain.parameters())
+
+
+def _ref_run_config(tmp_path, tiny_dir, **more):
+    sets = {
+        "model.name_or_path": str(tiny_dir),
+        "model.autocast": "bfloat16",
+        "train.output_dir": str(tmp_path / "run"),
+        "train.quiet": True,
+        "train.max_steps": 1,
+        "train.prompts_per_step": 2,
+        "rollout.group_size": 2,
+        "rollout.max_new_tokens": 4,
+        "train.eval_every": 0,
+        "algo.beta": 0.04,
+        **more,
+    }
+    return load_config(None, [f"{k}={json.dumps(v)}" for k, v in sets.items()])
+
+
+def test_the_trainer_keeps_a_frozen_reference_in_the_autocast_dtype_and_a_moving_one_float32(
+    tmp_path, tiny_dir
+):
+    def dtypes(trainer):
+        head = trainer.ref_model.get_output_embeddings()
+        return {
+            m.weight.dtype
+            for m in trainer.ref_model.modules()
+            if type(m) is torch.nn.Linear and m is not head
+        }
+
+    assert dtypes(GRPOTrainer(_ref_run_config(tmp_path, tiny_dir), rewards=[varied])) == {torch.bfloat16}
+    moving = _ref_run_config(tmp_path, tiny_dir, **{"algo.ref_sync_every": 2})
+    assert dtypes(GRPOTrainer(moving, rewards=[varied])) == {torch.float32}  # mixes in float32
+    plain = _ref_run_config(tmp_path, tiny_dir, **{"model.autocast": None})
+    assert dtypes(GRPOTrainer(plain, rewards=[varied])) == {torch.float32}
 
 
 def test_a_run_under_bfloat16_autocast_trains_float32_weights(tmp_path, tiny_dir):

@@ -158,10 +158,28 @@ def merged(model):
     return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
 
 
-def reference_copy(model):
-    """A frozen copy of ``model`` for the KL term: no gradients, eval mode, same device."""
+def reference_copy(model, compute_dtype: torch.dtype | None = None):
+    """A frozen copy of ``model`` for the KL term: no gradients, eval mode, same device.
+
+    ``compute_dtype``: the autocast dtype the copy always runs under (None: stored as the policy
+    is). Autocast casts the weight and bias of every ``Linear`` to it at every forward, and keeps
+    casts only of tensors that require grad, which a frozen copy's do not; so those are stored in
+    ``compute_dtype`` once: the same values (the same rounding), half the bytes of float32, no
+    cast per forward. The output head (float32, :func:`keep_head_float32`), the embeddings, the
+    norms and any tensor a ``Linear`` shares with them stay as they are. Only for a reference that
+    never moves: one that mixes in the policy (``algo.ref_sync_every``) keeps float32.
+    """
     ref = copy.deepcopy(model).eval()
     ref.requires_grad_(False)
+    if compute_dtype is not None:
+        head = ref.get_output_embeddings()
+        cast = [m for m in ref.modules() if type(m) is torch.nn.Linear and m is not head]
+        cast_ids = {id(m) for m in cast}
+        kept = {id(p) for m in ref.modules() if id(m) not in cast_ids for p in m.parameters(recurse=False)}
+        for module in cast:
+            for p in module.parameters(recurse=False):
+                if p.is_floating_point() and p.dtype != torch.float64 and id(p) not in kept:
+                    p.data = p.data.to(compute_dtype)
     return ref
 
 

@@ -28,6 +28,7 @@ import torch
 from grpokit.algo import LossSpec, kl_shaped_rewards
 from grpokit.algo.correction import correction_weights, mismatch_stats
 from grpokit.models.loading import (
+    DTYPES,
     fused_head_reason,
     packing_reason,
     prompt_sharing_costs,
@@ -48,7 +49,11 @@ class Learner:
         # With LoRA the reference is the base model itself, adapters switched off: no second copy.
         wants_ref = cfg.algo.beta > 0 or cfg.train.track_kl
         self.adapter_ref = wants_ref and hasattr(model, "disable_adapter")
-        self.ref_model = reference_copy(model) if wants_ref and not self.adapter_ref else None
+        # A frozen reference that always runs under autocast stores its Linear weights in autocast's
+        # dtype (the values autocast computes with; FSDP2 shards parameters of one dtype only).
+        frozen_cast = cfg.model.autocast is not None and not cfg.algo.ref_sync_every and not dist.fsdp
+        ref_dtype = DTYPES[cfg.model.autocast] if frozen_cast else None
+        self.ref_model = reference_copy(model, ref_dtype) if wants_ref and not self.adapter_ref else None
         if self.ref_model is not None and dist.fsdp:
             shard(self.ref_model)
         # train_module runs the update (a DDP wrapper, or the FSDP-sharded model itself); model is
