@@ -1,6 +1,8 @@
 """Peak memory of a GRPO step: full fine-tune with a reference copy, without a reference (beta = 0),
 LoRA with the adapter-off reference, full fine-tune with gradient checkpointing, and full fine-tune
-with ``model.fused_layers`` off (HF's own RMSNorm and MLP autograd).
+with ``model.fused_layers`` off (HF's own RMSNorm and MLP autograd); and under bfloat16 autocast with
+the frozen reference (its Linear weights stored in bfloat16), without one, and with a reference
+that moves (``algo.ref_sync_every``: kept float32; it never syncs in these few steps).
 
     .venv/bin/python benchmarks/bench_memory.py [--hidden 512 --layers 8 --vocab 32000 --steps 2]
 
@@ -34,6 +36,14 @@ VARIANTS = {
         "model.gradient_checkpointing=true",
     ],
     "full fine-tune + reference, model.fused_layers off": ["algo.beta=0.04", "model.fused_layers=false"],
+    # under autocast the frozen reference keeps its Linear weights in bfloat16 (float32 when it moves)
+    "bfloat16 autocast: + reference (beta 0.04)": ["algo.beta=0.04", "model.autocast=bfloat16"],
+    "bfloat16 autocast: no reference (beta 0)": ["algo.beta=0.0", "model.autocast=bfloat16"],
+    "bfloat16 autocast: + float32 reference (ref_sync_every 1000)": [
+        "algo.beta=0.04",
+        "model.autocast=bfloat16",
+        "algo.ref_sync_every=1000",
+    ],
 }
 
 
