@@ -50,7 +50,8 @@ class Learner:
         wants_ref = cfg.algo.beta > 0 or cfg.train.track_kl
         self.adapter_ref = wants_ref and hasattr(model, "disable_adapter")
         # A frozen reference that always runs under autocast stores its Linear weights in autocast's
-        # dtype (the values autocast computes with; FSDP2 shards parameters of one dtype only).
+        # dtype (the values autocast computes with). A sharded (FSDP2) one keeps the policy's dtype:
+        # mixed dtypes in one sharded group are not tested here.
         frozen_cast = cfg.model.autocast is not None and not cfg.algo.ref_sync_every and not dist.fsdp
         ref_dtype = DTYPES[cfg.model.autocast] if frozen_cast else None
         self.ref_model = reference_copy(model, ref_dtype) if wants_ref and not self.adapter_ref else None
