@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from grpokit.config import load_config
 from grpokit.models.loading import keep_head_float32, load_model, mixed_precision, reference_copy
@@ -47,22 +47,31 @@ def test_reference_copy_keeps_its_own_float32_head(tiny_dir):
         assert not torch.equal(model(ids).logits, before)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_a_reference_under_autocast_stores_its_linear_weights_in_the_autocast_dtype(tied):
-    """reference_copy(model, bfloat16): every Linear but the head in bfloat16, everything else
-    as it was; under autocast the same logits, bit for bit, as a float32 copy (autocast casts the
-    float32 copy's weights to exactly those values at every forward)."""
+@pytest.mark.parametrize("family,tied", [("llama", True), ("llama", False), ("qwen2", False)])
+def test_a_reference_under_autocast_stores_its_linear_weights_in_the_autocast_dtype(family, tied):
+    """reference_copy(model, bfloat16): every Linear but the head in bfloat16 (Qwen2's q/k/v
+    biases too), everything else as it was; under autocast the same logits, bit for bit, as a
+    float32 copy (autocast casts the float32 copy's weights to exactly those values at every
+    forward)."""
     torch.manual_seed(5)
-    config = tiny_config(40, hidden_size=32)
-    config.tie_word_embeddings = tied
-    model = LlamaForCausalLM(config).eval()
+    if family == "llama":
+        config = tiny_config(40, hidden_size=32)
+        config.tie_word_embeddings = tied
+        model = LlamaForCausalLM(config).eval()
+    else:
+        config = Qwen2Config(
+            vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+        )  # fmt: skip
+        model = Qwen2ForCausalLM(config).eval()
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
     keep_head_float32(model)
     plain, cast = reference_copy(model), reference_copy(model, torch.bfloat16)
     head = cast.get_output_embeddings()
     linears = [m for m in cast.modules() if type(m) is torch.nn.Linear and m is not head]
     assert len(linears) == 7 * config.num_hidden_layers
-    assert all(m.weight.dtype == torch.bfloat16 for m in linears)
-    others = [p for n, p in cast.named_parameters() if not any(p is m.weight for m in linears)]
+    assert all(p.dtype == torch.bfloat16 for m in linears for p in m.parameters())
+    others = [p for p in cast.parameters() if not any(p is q for m in linears for q in m.parameters())]
     assert others and all(p.dtype == torch.float32 for p in others)  # head, embeddings, norms
     assert (head.weight is cast.get_input_embeddings().weight) == tied
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the policy untouched
