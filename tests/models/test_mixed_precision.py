@@ -47,6 +47,12 @@ def test_reference_copy_keeps_its_own_float32_head(tiny_dir):
         assert not torch.equal(model(ids).logits, before)
 
 
+def _body_linears(model) -> list[torch.nn.Linear]:
+    """The model's Linear layers but its output head."""
+    head = model.get_output_embeddings()
+    return [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
+
+
 @pytest.mark.parametrize("family,tied", [("llama", True), ("llama", False), ("qwen2", False)])
 def test_a_reference_under_autocast_stores_its_linear_weights_in_the_autocast_dtype(family, tied):
     """reference_copy(model, bfloat16): every Linear but the head in bfloat16 (Qwen2's q/k/v
@@ -68,7 +74,7 @@ def test_a_reference_under_autocast_stores_its_linear_weights_in_the_autocast_dt
     keep_head_float32(model)
     plain, cast = reference_copy(model), reference_copy(model, torch.bfloat16)
     head = cast.get_output_embeddings()
-    linears = [m for m in cast.modules() if type(m) is torch.nn.Linear and m is not head]
+    linears = _body_linears(cast)
     assert len(linears) == 7 * config.num_hidden_layers
     assert all(p.dtype == torch.bfloat16 for m in linears for p in m.parameters())
     others = [p for p in cast.parameters() if not any(p is q for m in linears for q in m.parameters())]
@@ -83,33 +89,33 @@ def test_a_reference_under_autocast_stores_its_linear_weights_in_the_autocast_dt
     assert size < 0.75 * sum(p.nbytes for p in plain.parameters())
 
 
-def _ref_run_config(tmp_path, tiny_dir, **more):
+def _autocast_config(tmp_path, tiny_dir, **sets):
+    """A run of the tiny model under bfloat16 autocast, with ``sets`` (dotted keys) on top."""
     sets = {
         "model.name_or_path": str(tiny_dir),
         "model.autocast": "bfloat16",
         "train.output_dir": str(tmp_path / "run"),
         "train.quiet": True,
-        "train.max_steps": 1,
-        "train.prompts_per_step": 2,
-        "rollout.group_size": 2,
-        "rollout.max_new_tokens": 4,
-        "train.eval_every": 0,
-        "algo.beta": 0.04,
-        **more,
+        **sets,
     }
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in sets.items()])
+
+
+def _ref_run_config(tmp_path, tiny_dir, **more):
+    return _autocast_config(
+        tmp_path, tiny_dir,
+        **{
+            "train.max_steps": 1, "train.prompts_per_step": 2, "rollout.group_size": 2,
+            "rollout.max_new_tokens": 4, "train.eval_every": 0, "algo.beta": 0.04, **more,
+        },
+    )  # fmt: skip
 
 
 def test_the_trainer_keeps_a_frozen_reference_in_the_autocast_dtype_and_a_moving_one_float32(
     tmp_path, tiny_dir
 ):
     def dtypes(trainer):
-        head = trainer.ref_model.get_output_embeddings()
-        return {
-            m.weight.dtype
-            for m in trainer.ref_model.modules()
-            if type(m) is torch.nn.Linear and m is not head
-        }
+        return {m.weight.dtype for m in _body_linears(trainer.ref_model)}
 
     assert dtypes(GRPOTrainer(_ref_run_config(tmp_path, tiny_dir), rewards=[varied])) == {torch.bfloat16}
     moving = _ref_run_config(tmp_path, tiny_dir, **{"algo.ref_sync_every": 2})
@@ -120,10 +126,6 @@ def test_the_trainer_keeps_a_frozen_reference_in_the_autocast_dtype_and_a_moving
 
 def test_a_run_under_bfloat16_autocast_trains_float32_weights(tmp_path, tiny_dir):
     sets = {
-        "model.name_or_path": str(tiny_dir),
-        "model.autocast": "bfloat16",
-        "train.output_dir": str(tmp_path / "run"),
-        "train.quiet": True,
         "train.max_steps": 2,
         "train.prompts_per_step": 4,
         "rollout.group_size": 4,
@@ -133,7 +135,7 @@ def test_a_run_under_bfloat16_autocast_trains_float32_weights(tmp_path, tiny_dir
         "algo.beta": 0.04,
         "train.mu": 2,
     }
-    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in sets.items()])
+    cfg = _autocast_config(tmp_path, tiny_dir, **sets)
     trainer = GRPOTrainer(cfg, rewards=[varied])  # spread in every group: a real update
     start = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     summary = trainer.train()
@@ -151,10 +153,6 @@ def test_every_forward_under_autocast_uses_the_weights_as_they_are(tmp_path, tin
     weights until the context ends. With several optimizer steps per generation (mu = 2 here), a
     forward after the first optimizer step must not compute with those stale casts."""
     sets = {
-        "model.name_or_path": str(tiny_dir),
-        "model.autocast": "bfloat16",
-        "train.output_dir": str(tmp_path / "run"),
-        "train.quiet": True,
         "train.max_steps": 1,
         "train.prompts_per_step": 4,
         "rollout.group_size": 4,
@@ -164,7 +162,7 @@ def test_every_forward_under_autocast_uses_the_weights_as_they_are(tmp_path, tin
         "train.mu": 2,
         "train.lr": 1e-2,
     }
-    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in sets.items()])
+    cfg = _autocast_config(tmp_path, tiny_dir, **sets)
     trainer = GRPOTrainer(cfg, rewards=[varied])
     proj = next(m for n, m in trainer.model.named_modules() if n.endswith("q_proj"))
     seen = []  # per call: (the weight then, whether the output is that weight's bfloat16 product)
