@@ -20,6 +20,13 @@ grpokit's side; HF `generate` under the same autocast).
 `--draw` times one token draw for 64 rows at Qwen2's vocabulary (151,936): the sampler's
 two-level inverse-CDF draw, the full-width float64 scan it replaced, and `torch.multinomial`
 (what `generate` uses), 20 repetitions each, interleaved.
+
+`--compile` measures whether `torch.compile` of the own decode path's one-token step would pay:
+after one prompt pass, greedy one-token steps run eagerly and through `torch.compile(dynamic=True)`
+of the same forward (the cache length grows by one per step, so its shapes are dynamic), `--reps`
+runs each interleaved after the compiling run; it prints the compile time, both step times and
+whether the greedy tokens are identical. The tiny model (G = 16, 64 steps, float32), or with
+`--model smollm2` the recipe's shapes (4 prompts x G = 8, 96 steps) in float32 and bfloat16.
 """
 
 from __future__ import annotations
@@ -74,16 +81,10 @@ def ours_hf_forward(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temp
 
 def smollm2(reps: int) -> None:
     from grpokit.config import load_config
-    from grpokit.data.datasets import build_prompt
-    from grpokit.data.tasks import TaskSource
 
     cfg = load_config("smollm2")
     model, tok = load_model(cfg.model.name_or_path)
-    source = TaskSource("word_problems", seed=0)
-    prompts = [
-        build_prompt(source.row(i), tok, chat_template=True, system_prompt=cfg.data.system_prompt)
-        for i in range(4)
-    ]
+    prompts = smollm2_prompts(tok)
     G, n, temp = 8, cfg.rollout.max_new_tokens, cfg.rollout.temperature
     print(f"SmolLM2-135M-Instruct, 4 word problems x G={G}, {n} new tokens, T={temp}, {reps} reps\n")
     print("| precision | grpokit tok/s (median, min-max) | HF generate tok/s (median, min-max) | ratio |")
@@ -172,15 +173,78 @@ def draw_cost(reps: int = 20) -> None:
         print(f"  {name}: {statistics.median(ts):.1f} ({min(ts):.1f}-{max(ts):.1f})")
 
 
+def compile_cost(model, tok, prompts, G: int, n: int, reps: int, precision: str) -> None:
+    from grpokit.rollout.decode import OwnDecoder
+
+    ids, mask = encode_prompts(tok, prompts)
+    ctx = mixed_precision("cpu", "bfloat16") if precision == "bfloat16" else contextlib.nullcontext()
+
+    def steps(decoder, forward=None) -> tuple[float, torch.Tensor]:
+        logits, state = decoder.prefill(ids, mask, G, ids.shape[1] + n)
+        if forward is not None:
+            decoder._forward = forward  # the prompt pass stays eager; the steps use ``forward``
+        token, tokens = logits.argmax(-1), []
+        t = time.perf_counter()
+        for _ in range(n):
+            token = decoder.step(token, state).argmax(-1)
+            tokens.append(token)
+        elapsed = time.perf_counter() - t
+        vars(decoder).pop("_forward", None)
+        return elapsed, torch.stack(tokens, 1)
+
+    with torch.no_grad(), ctx:
+        decoder = OwnDecoder(model)
+        _, eager_tokens = steps(decoder)
+        compiled = torch.compile(decoder._forward, dynamic=True)
+        t = time.perf_counter()
+        _, compiled_tokens = steps(decoder, compiled)
+        compile_s = time.perf_counter() - t
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for _ in range(reps):
+            times["eager"].append(steps(decoder)[0])
+            times["compiled"].append(steps(decoder, compiled)[0])
+    b = ids.shape[0] * G
+    print(f"{precision}, {b} rows x {n} greedy steps; first compiled run (compiling) {compile_s:.1f} s")
+    for name, ts in times.items():
+        ms = [1000 * x / n for x in ts]
+        print(f"  {name}: {statistics.median(ms):.1f} ms/step ({min(ms):.1f}-{max(ms):.1f})")
+    same = (eager_tokens == compiled_tokens).float().mean().item()
+    identical = torch.equal(eager_tokens, compiled_tokens)
+    print(f"  greedy tokens identical: {identical} ({same:.0%} equal)", flush=True)
+
+
+def smollm2_prompts(tok) -> list[str]:
+    """The recipe's first 4 word problems, in its chat template and system prompt."""
+    from grpokit.config import load_config
+    from grpokit.data.datasets import build_prompt
+    from grpokit.data.tasks import TaskSource
+
+    cfg = load_config("smollm2")
+    source = TaskSource("word_problems", seed=0)
+    return [
+        build_prompt(source.row(i), tok, chat_template=True, system_prompt=cfg.data.system_prompt)
+        for i in range(4)
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draw", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    ap.add_argument("--compile", action="store_true")
     a = ap.parse_args()
     if a.draw:
         draw_cost()
+        return
+    if a.compile and a.model == "smollm2":
+        from grpokit.config import load_config
+
+        model, tok = load_model(load_config("smollm2").model.name_or_path)
+        compile_cost(model, tok, smollm2_prompts(tok), 8, 96, a.reps, "float32")
+        keep_head_float32(model)
+        compile_cost(model, tok, smollm2_prompts(tok), 8, 96, a.reps, "bfloat16")
         return
     if a.model == "smollm2":
         smollm2(a.reps)
@@ -188,6 +252,9 @@ def main() -> None:
     model, tok = load_model("tiny")
     if a.profile:
         profile(model, tok)
+        return
+    if a.compile:
+        compile_cost(model, tok, PROMPTS, 16, 64, a.reps, "float32")
         return
     print(f"shipped tiny model, 4 prompts, torch threads {torch.get_num_threads()}\n")
     table(model, tok, [(G, n, PROMPTS, 1.0) for G in (8, 16) for n in (64, 256)], a.reps)
