@@ -17,8 +17,9 @@ architecture, LoRA adapters, sharded weights, sliding windows the sequence outgr
 
 What it deliberately does not do: training forwards (the trainer uses the HF model, with autograd),
 multi-turn episodes (``rollout.episodes`` keeps HF's cache across turns), or ``torch.compile``
-(its one-token step measured slower on a 2-core CPU for the tiny model and SmolLM2 (by 16-26% on
-SmolLM2), after minutes of compiling, and it changes bfloat16 tokens: ``bench_rollout.py --compile``, docs/benchmarks.md).
+(its one-token step measured slower on a 2-core CPU for the tiny model and SmolLM2, by 16-26% on
+SmolLM2, after minutes of compiling, and it changes bfloat16 tokens: ``bench_rollout.py --compile``,
+docs/benchmarks.md).
 
 Shape legend: P prompts, G group size, b rows being decoded, L prompt length, S keys so far,
 C cache capacity (L + max new tokens), H query heads, K kv heads, D head dim, V vocab.
