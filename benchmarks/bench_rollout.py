@@ -79,12 +79,23 @@ def ours_hf_forward(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temp
     return ours(model, tok, G, n, seed, prompts, temperature, decode="hf")
 
 
-def smollm2(reps: int) -> None:
+def smollm2(reps: int, compile_step: bool = False) -> None:
     from grpokit.config import load_config
+    from grpokit.data.datasets import build_prompt
+    from grpokit.data.tasks import TaskSource
 
     cfg = load_config("smollm2")
     model, tok = load_model(cfg.model.name_or_path)
-    prompts = smollm2_prompts(tok)
+    source = TaskSource("word_problems", seed=0)
+    prompts = [
+        build_prompt(source.row(i), tok, chat_template=True, system_prompt=cfg.data.system_prompt)
+        for i in range(4)
+    ]
+    if compile_step:
+        compile_cost(model, tok, prompts, 8, cfg.rollout.max_new_tokens, reps, "float32")
+        keep_head_float32(model)
+        compile_cost(model, tok, prompts, 8, cfg.rollout.max_new_tokens, reps, "bfloat16")
+        return
     G, n, temp = 8, cfg.rollout.max_new_tokens, cfg.rollout.temperature
     print(f"SmolLM2-135M-Instruct, 4 word problems x G={G}, {n} new tokens, T={temp}, {reps} reps\n")
     print("| precision | grpokit tok/s (median, min-max) | HF generate tok/s (median, min-max) | ratio |")
@@ -213,20 +224,6 @@ def compile_cost(model, tok, prompts, G: int, n: int, reps: int, precision: str)
     print(f"  greedy tokens identical: {identical} ({same:.0%} equal)", flush=True)
 
 
-def smollm2_prompts(tok) -> list[str]:
-    """The recipe's first 4 word problems, in its chat template and system prompt."""
-    from grpokit.config import load_config
-    from grpokit.data.datasets import build_prompt
-    from grpokit.data.tasks import TaskSource
-
-    cfg = load_config("smollm2")
-    source = TaskSource("word_problems", seed=0)
-    return [
-        build_prompt(source.row(i), tok, chat_template=True, system_prompt=cfg.data.system_prompt)
-        for i in range(4)
-    ]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draw", action="store_true")
@@ -238,16 +235,8 @@ def main() -> None:
     if a.draw:
         draw_cost()
         return
-    if a.compile and a.model == "smollm2":
-        from grpokit.config import load_config
-
-        model, tok = load_model(load_config("smollm2").model.name_or_path)
-        compile_cost(model, tok, smollm2_prompts(tok), 8, 96, a.reps, "float32")
-        keep_head_float32(model)
-        compile_cost(model, tok, smollm2_prompts(tok), 8, 96, a.reps, "bfloat16")
-        return
     if a.model == "smollm2":
-        smollm2(a.reps)
+        smollm2(a.reps, a.compile)
         return
     model, tok = load_model("tiny")
     if a.profile:
