@@ -581,10 +581,22 @@ def validate(cfg: GRPOConfig) -> None:
 
         _check_choice("algo.rollout_correction", a.rollout_correction, (*CORRECTIONS, None))
         if r.engine == "vllm":
-            raise ConfigError(
-                "algo.rollout_correction needs the sampler's per-token log-probs, which the vLLM engine "
-                "does not report yet; use rollout.engine: builtin or set algo.rollout_correction: null"
+            from grpokit.rollout.sampler import SamplingParams
+            from grpokit.rollout.vllm_engine import (
+                PROCESSED_LOGPROBS_SINCE,
+                has_processed_logprobs,
+                installed_vllm_version,
+                sampler_logprobs_reason,
             )
+
+            params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+            why = sampler_logprobs_reason(params, has_processed_logprobs(installed_vllm_version()))
+            if why is not None:
+                raise ConfigError(
+                    f"algo.rollout_correction needs the sampler's per-token log-probs, and {why}; "
+                    f"pip install 'vllm>={PROCESSED_LOGPROBS_SINCE}', or sample at rollout.temperature=1 "
+                    "without top-k / top-p, or set algo.rollout_correction: null"
+                )
     _check("algo.rollout_correction_cap", a.rollout_correction_cap > 0, a.rollout_correction_cap, "> 0")
     _check("algo.ref_sync_every", a.ref_sync_every >= 0, a.ref_sync_every, ">= 0 (0: frozen reference)")
     _check("algo.ref_sync_mix", 0 < a.ref_sync_mix <= 1, a.ref_sync_mix, "in (0, 1]")

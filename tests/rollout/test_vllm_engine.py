@@ -1,5 +1,7 @@
-"""The vLLM engine: start-up errors where it cannot run, its output layout, and (on a GPU with vLLM)
-the same contract as the built-in sampler, with throughput measured against it."""
+"""The vLLM engine: start-up errors where it cannot run, its output layout, the sampled tokens'
+log-probs it records (against a CPU stand-in for vLLM's offline API: tests/rollout/fake_vllm.py),
+and (on a GPU with vLLM) the same contract as the built-in sampler, with throughput measured
+against it."""
 
 from __future__ import annotations
 
@@ -10,9 +12,16 @@ import time
 import pytest
 import torch
 
+import grpokit.rollout.vllm_engine as vllm_engine
 from grpokit.config import ConfigError, load_config
 from grpokit.rollout.sampler import SamplingParams, encode_prompts, sample
-from grpokit.rollout.vllm_engine import rollout_from_token_lists
+from grpokit.rollout.vllm_engine import (
+    VLLMEngine,
+    has_processed_logprobs,
+    rollout_from_token_lists,
+    sampler_logprobs_reason,
+)
+from tests.rollout.fake_vllm import FakeLLM, install_fake_vllm_module
 
 HAS_VLLM_GPU = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
 
@@ -50,6 +59,116 @@ def test_engine_output_takes_the_built_in_samplers_layout(tiny):
         rollout_from_token_lists(tok, prompt_ids, prompt_mask, [tokens[0], tokens[1][:1]], truncated, 2)
 
 
+@pytest.mark.parametrize(
+    ("version", "processed"),
+    [("0.8.5", False), ("0.10.1.1", False), ("0.10.2", True), ("0.10.2rc2", True), ("0.11.0", True),
+     ("1.0", True), ("12.3.4+cu128", True), (None, False), ("dev", False)],
+)  # fmt: skip
+def test_processed_logprobs_arrive_with_vllm_0_10_2(version, processed):
+    assert has_processed_logprobs(version) is processed
+
+
+def test_raw_logprobs_are_the_sampling_distribution_only_at_temperature_1_untruncated():
+    plain = SamplingParams(max_new_tokens=4, temperature=1.0)
+    assert sampler_logprobs_reason(plain, processed=False) is None
+    for params in (
+        SamplingParams(max_new_tokens=4, temperature=0.7),
+        SamplingParams(max_new_tokens=4, top_k=5),
+        SamplingParams(max_new_tokens=4, top_p=0.9),
+    ):
+        assert sampler_logprobs_reason(params, processed=True) is None
+        why = sampler_logprobs_reason(params, processed=False)
+        assert "before temperature and top-k / top-p" in why and "0.10.2" in why
+
+
+def engine_over(model, tok, monkeypatch, processed=True, **fake) -> VLLMEngine:
+    install_fake_vllm_module(monkeypatch)
+    llm = FakeLLM(model, tok, **fake)
+    engine = VLLMEngine(
+        "unused", tok, dtype="float32", max_new_tokens=8, gpu_memory_utilization=0.1, sleep=False,
+        seed=0, llm=llm, processed_logprobs=processed,
+    )  # fmt: skip
+    engine.load_weights(model.state_dict().items())
+    return engine
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.7, 3)])
+def test_vllm_rollouts_record_each_sampled_tokens_logprob(peaky, monkeypatch, temperature, top_k):
+    # the fake answers with the built-in sampler's tokens and log-probs, one prompt per request:
+    # the engine must put them row for row into the rollout, with the sampler's padding and dtype
+    model, tok = peaky
+    engine = engine_over(model, tok, monkeypatch, decoy=True)
+    params = SamplingParams(max_new_tokens=8, temperature=temperature, top_k=top_k)
+    prompts = ["12+34=", "7+8=", "100+1="]
+    r = engine.sample(prompts, 4, params, seed=5, first_prompt_index=10, policy_version=7)
+    asked = engine.llm.requests[-1]
+    assert [q.logprobs for q in asked] == [0, 0, 0]
+    assert [q.top_k for q in asked] == [top_k if top_k else -1] * 3
+    assert r.sampler_logp.dtype == torch.float32 and r.sampler_logp.shape == r.completion_ids.shape
+    assert r.policy_version.tolist() == [7] * 12
+    m = r.completion_mask
+    assert bool((r.sampler_logp[~m] == 0).all()) and bool((r.sampler_logp[m] < 0).all())
+    for i, (prompt, q) in enumerate(zip(prompts, asked, strict=True)):
+        ours = SamplingParams(8, temperature, 1.0, top_k)
+        want = sample(model, tok, [prompt], 4, ours, torch.Generator().manual_seed(q.seed))
+        rows = slice(4 * i, 4 * i + 4)
+        assert r.completion_token_lists()[rows] == want.completion_token_lists()
+        T = want.completion_ids.shape[1]
+        assert torch.equal(r.sampler_logp[rows, :T], want.sampler_logp)  # the sampled id's, not the decoy's
+
+
+def test_without_processed_logprobs_only_plain_sampling_records_them(peaky, monkeypatch):
+    model, tok = peaky
+    engine = engine_over(model, tok, monkeypatch, processed=False)
+    hot = engine.sample(["12+34="], 2, SamplingParams(max_new_tokens=4, temperature=0.7), seed=1)
+    assert engine.llm.requests[-1][0].logprobs is None and hot.sampler_logp is None
+    assert "before temperature" in engine.logprobs_reason(SamplingParams(max_new_tokens=4, temperature=0.7))
+    plain = engine.sample(["12+34="], 2, SamplingParams(max_new_tokens=4), seed=1)
+    assert engine.llm.requests[-1][0].logprobs == 0 and plain.sampler_logp is not None
+
+
+def test_a_missing_or_non_finite_logprob_is_an_error_not_a_zero(peaky, monkeypatch):
+    model, tok = peaky
+    params = SamplingParams(max_new_tokens=4)
+    for damage, message in (
+        (lambda c: setattr(c, "logprobs", None), "returned none log-probs for the"),
+        (lambda c: c.logprobs.pop(), "log-probs for the"),
+        (lambda c: c.logprobs[0].clear(), "no finite log-prob"),
+        (lambda c: setattr(c.logprobs[0][c.token_ids[0]], "logprob", float("nan")), "no finite log-prob"),
+    ):
+        engine = engine_over(model, tok, monkeypatch)
+        generate = engine.llm.generate
+
+        def broken(requests, params, use_tqdm=False, generate=generate, damage=damage):
+            outputs = generate(requests, params, use_tqdm)
+            damage(outputs[0].outputs[1])
+            return outputs
+
+        engine.llm.generate = broken
+        with pytest.raises(RuntimeError, match=message):
+            engine.sample(["12+34="], 2, params, seed=1)
+
+
+def test_engine_token_and_logprob_lists_must_line_up(tiny):
+    _, tok = tiny
+    prompt_ids, prompt_mask = encode_prompts(tok, ["1+1="])
+    tokens, truncated = [[[5, 6], [7]]], [[False, False]]
+    with pytest.raises(ValueError, match="one log-prob per completion token"):
+        rollout_from_token_lists(tok, prompt_ids, prompt_mask, tokens, truncated, 2, [[[-0.1], [-0.2]]])
+
+
+def test_rollout_correction_with_vllm_needs_its_processed_logprobs(monkeypatch):
+    monkeypatch.setattr(vllm_engine, "check_available", lambda: None)  # as if vLLM and a GPU were here
+    sets = ["rollout.engine=vllm", "algo.rollout_correction=token_truncated"]
+    monkeypatch.setattr(vllm_engine, "installed_vllm_version", lambda: "0.9.2")
+    with pytest.raises(ConfigError, match=r"vLLM \(0\.9\.2\) reports log-probs before temperature") as e:
+        load_config("demo", [*sets, "rollout.temperature=0.7"])
+    assert "pip install 'vllm>=0.10.2'" in str(e.value) and "rollout_correction: null" in str(e.value)
+    assert load_config("demo", [*sets, "rollout.temperature=1.0", "rollout.top_k=0", "rollout.top_p=1.0"])
+    monkeypatch.setattr(vllm_engine, "installed_vllm_version", lambda: "0.11.0")
+    assert load_config("demo", [*sets, "rollout.temperature=0.7", "rollout.top_k=20"])
+
+
 def test_refused_with_lora():
     pytest.importorskip("peft")
     with pytest.raises(ConfigError, match=r"does not support model\.lora"):
@@ -59,7 +178,7 @@ def test_refused_with_lora():
 @pytest.mark.skipif(not HAS_VLLM_GPU, reason="needs the vllm package and a CUDA GPU (the vllm extra)")
 def test_vllm_matches_the_contract_and_is_measured_against_the_builtin_sampler(tmp_path):
     from grpokit.models.loading import load_model, resolve_model_path
-    from grpokit.rollout.vllm_engine import VLLMEngine
+    from grpokit.train.batch import TrainBatch, batch_logprobs, plan_micro_batches
 
     model, tok = load_model("tiny", device="cuda")
     engine = VLLMEngine(
@@ -81,6 +200,13 @@ def test_vllm_matches_the_contract_and_is_measured_against_the_builtin_sampler(t
     assert agree >= 6, (ours.completions, theirs.completions)  # float32 kernels differ at near-ties
 
     r = engine.sample(prompts, 16, params, seed=3)
+    # vLLM's reported log-probs against the trainer's float32 recomputation of the same tokens
+    batch = TrainBatch.from_rollout(r, torch.zeros(r.num_rows))
+    plan = plan_micro_batches(batch.total_lengths(), 64, None)
+    recomputed = batch_logprobs(model, batch, plan, tok.pad_token_id, 1.0).cpu()
+    m = r.completion_mask
+    assert r.sampler_logp is not None and bool(torch.isfinite(r.sampler_logp[m]).all())
+    assert float((recomputed[m] - r.sampler_logp[m]).abs().mean()) < 1e-3
     lengths = r.completion_mask.sum(dim=1)
     assert r.num_rows == 64 * 16 and (lengths >= 1).all()
     assert (lengths[r.truncated] == 64).all()  # truncated rows are exactly the ones at the limit...

@@ -1,7 +1,7 @@
 """The sampler's per-token log-probs equal the trainer's recomputation (float32, any micro-batch
 split, padded or packed), top-k / top-p log-probs are the renormalised ones and serve as pi_old,
 and the trainer's always-on mismatch metrics and rollout corrections see exactly what the sampler
-recorded."""
+recorded, the built-in one's or the vLLM engine's (over a CPU stand-in for vLLM)."""
 
 from __future__ import annotations
 
@@ -202,3 +202,67 @@ def test_with_top_k_the_sampler_logprobs_are_pi_old(tmp_path, tiny_dir, monkeypa
     # the renormalised pi_old is above the full softmax's: on-policy ratios sit below 1, and the
     # mismatch metric (the full recomputation vs the sampler) shows the truncation
     assert trained[0]["ratio_mean"] < 1.0 and trained[0]["logprob_mismatch"] > 1e-3
+
+
+def vllm_trainer(monkeypatch, cfg, **fake) -> GRPOTrainer:
+    """A trainer whose rollouts come from the vLLM engine over a CPU stand-in for vLLM
+    (tests/rollout/fake_vllm.py): its own copy of the model, kept current by the weight push."""
+    from grpokit.rollout.vllm_engine import VLLMEngine
+    from tests.rollout.fake_vllm import FakeLLM, install_fake_vllm_module
+
+    install_fake_vllm_module(monkeypatch)
+    trainer = GRPOTrainer(cfg, rewards=[varied])
+    r = cfg.rollout
+    trainer.engine = VLLMEngine(
+        "unused", trainer.tokenizer, dtype="float32", max_new_tokens=r.max_new_tokens,
+        gpu_memory_utilization=0.1, sleep=False, seed=0,
+        llm=FakeLLM(trainer.model, trainer.tokenizer, **fake), processed_logprobs=True,
+    )  # fmt: skip
+    return trainer
+
+
+@pytest.mark.parametrize("sets", [{}, {"algo.rollout_correction": "token_truncated", "train.mu": 2}])
+def test_vllm_rollouts_feed_the_mismatch_metric_and_the_correction(tmp_path, tiny_dir, monkeypatch, sets):
+    trainer = vllm_trainer(monkeypatch, config(tmp_path, tiny_dir, "run", **{"train.max_steps": 3, **sets}))
+    trainer.train()
+    # before each of the 3 samplings the engine gets the weights of the last update: a stale copy
+    # would show as a mismatch on steps 2 and 3, whose pi_old the updates have moved
+    assert trainer.engine.llm.pushes == 3
+    rows = metrics(tmp_path, "run")
+    assert len(rows) == 3
+    for row in rows:
+        if not row["optimizer_step_skipped"] or sets:  # a skipped mu=1 step recomputes nothing
+            assert row["logprob_mismatch"] < 1e-5 and row["logprob_ratio_outside"] == 0.0
+    if sets:
+        assert all(row["is_weight_mean"] == pytest.approx(1.0, abs=1e-5) for row in rows)
+
+
+def test_a_vllm_mismatch_is_measured_and_corrected(tmp_path, tiny_dir, monkeypatch):
+    # vLLM's reported log-probs off by -0.5 on every 4th token (its bf16 kernels, say): the metric
+    # shows exactly that, and the correction weights the loss by pi_old / pi_vllm, capped at 1.5
+    cfg = config(
+        tmp_path, tiny_dir, "run",
+        **{"algo.rollout_correction": "token_truncated", "algo.rollout_correction_cap": 1.5},
+    )  # fmt: skip
+    trainer = vllm_trainer(monkeypatch, cfg, shift=-0.5, every=4)
+    produced, engine_sample = [], trainer.engine.sample
+
+    def recording(*args, **kwargs):
+        produced.append(engine_sample(*args, **kwargs))
+        return produced[-1]
+
+    trainer.engine.sample = recording
+    trainer.train()
+    rollout, row = produced[0], metrics(tmp_path, "run")[0]
+    m = rollout.completion_mask
+    order = m.flatten().long().cumsum(0).view(m.shape) - 1  # the fake counts tokens row after row
+    shifted = (order % 4 == 0) & m
+    share = float(shifted[m].double().mean())
+    assert 0.15 < share < 0.4
+    assert row["logprob_mismatch"] == pytest.approx(0.5 * share, abs=1e-5)
+    assert row["logprob_ratio_outside"] == pytest.approx(share, abs=1e-9)
+    dump = torch.load(tmp_path / "run" / "tensors" / "step-000001.pt", weights_only=False)
+    mask, T = dump["mask"], dump["mask"].shape[1]
+    want = torch.where(shifted[dump["rows"], :T], min(math.exp(0.5), 1.5), 1.0) * mask
+    assert torch.allclose(dump["is_weights"].double(), want.double(), atol=1e-4)
+    assert bool((dump["is_weights"][mask] != 1).any())

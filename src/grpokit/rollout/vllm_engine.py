@@ -14,6 +14,16 @@ passed as token ids, completions are decoded by grpokit's tokenizer, so prompts,
 Each step's seed comes from the trainer's generator and every prompt gets its own vLLM seed
 derived from it and its global index, so a run is reproducible to the extent vLLM's kernels are.
 
+Sampler log-probs: vLLM reports each sampled token's log-prob (``logprobs=0``), and from vLLM 0.10.2
+on the engine starts with ``logprobs_mode="processed_logprobs"``, so the value is taken after
+temperature and the top-k / top-p mask, renormalised over the kept tokens: the distribution the
+token was drawn from, which is what the built-in sampler records (``Rollout.sampler_logp``). Its
+default, ``raw_logprobs``, is the model's plain softmax, the same thing only at temperature 1
+without top-k / top-p; older vLLM versions report that, so for other settings the rollout carries no
+sampler log-probs (:func:`sampler_logprobs_reason` says why). With them, the trainer's
+``logprob_mismatch`` metric, ``algo.rollout_correction`` (TIS / sequence-masked IS) and, under
+top-k / top-p, pi_old work on vLLM rollouts as on the built-in sampler's.
+
 What it deliberately does not do: serve over HTTP (server mode), tensor-parallel generation, LoRA
 adapters (``model.lora`` is refused with this engine), or compute the training log-probs (the
 trainer recomputes them with its own model, so a vLLM numerics difference never enters the loss
@@ -22,12 +32,47 @@ as anything but an off-policy ratio).
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Iterable
 
 import torch
 
 from grpokit.rollout.sampler import Rollout, SamplingParams, encode_prompts, pad_token_id
+
+PROCESSED_LOGPROBS_SINCE = "0.10.2"  # the first vLLM with the logprobs_mode engine argument
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version string, or None when it is not installed (no import of vllm)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def has_processed_logprobs(vllm_version: str | None) -> bool:
+    """Whether vLLM ``vllm_version`` takes ``logprobs_mode="processed_logprobs"``."""
+    release = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", vllm_version or "")
+    if release is None:
+        return False
+    since = tuple(int(x) for x in PROCESSED_LOGPROBS_SINCE.split("."))
+    return tuple(int(x or 0) for x in release.groups()) >= since
+
+
+def sampler_logprobs_reason(params: SamplingParams, processed: bool) -> str | None:
+    """None when an engine that reports ``processed`` (or else raw) log-probs gives each token's
+    log-prob under the distribution it was drawn from for ``params``; else the reason it cannot."""
+    if processed or (params.temperature == 1 and params.top_k == 0 and params.top_p == 1):
+        return None  # raw log-probs (the plain softmax) are the sampled ones only at T = 1, untruncated
+    return (
+        f"this vLLM ({installed_vllm_version() or 'not installed'}) reports log-probs before temperature "
+        f"and top-k / top-p, which vLLM >= {PROCESSED_LOGPROBS_SINCE} can take after them "
+        "(logprobs_mode=processed_logprobs)"
+    )
 
 
 def check_available() -> None:
@@ -62,13 +107,26 @@ class VLLMEngine:
         sleep: bool,
         seed: int,
         llm=None,
+        processed_logprobs: bool | None = None,
     ) -> None:
+        """``llm``: an engine already started (tests); ``processed_logprobs``: whether it reports
+        log-probs after temperature and top-k / top-p (None: decided by the installed vLLM's version,
+        which also picks the ``logprobs_mode`` of an engine started here)."""
         self.tokenizer = tokenizer
         self.sleep_between_steps = sleep
         self.asleep = False
+        if processed_logprobs is None:
+            processed_logprobs = has_processed_logprobs(installed_vllm_version())
+        self.processed_logprobs = processed_logprobs
         if llm is None:
-            llm = _start_llm(model_dir, dtype, max_new_tokens, gpu_memory_utilization, sleep, seed)
+            llm = _start_llm(
+                model_dir, dtype, max_new_tokens, gpu_memory_utilization, sleep, seed, processed_logprobs
+            )
         self.llm = llm
+
+    def logprobs_reason(self, params: SamplingParams) -> str | None:
+        """None when :meth:`sample` records the sampler's log-probs for ``params``; else why not."""
+        return sampler_logprobs_reason(params, self.processed_logprobs)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace vLLM's weights with the trainer's (Hugging Face parameter names)."""
@@ -85,14 +143,18 @@ class VLLMEngine:
         seed: int,
         *,
         first_prompt_index: int = 0,
+        policy_version: int = 0,
     ) -> Rollout:
         """``group_size`` completions per prompt; rows group after group, as ``sampler.sample``.
 
         ``seed`` is the step's seed (the same on every rank); ``first_prompt_index`` is the global
-        index of ``prompts[0]``, so each prompt's vLLM seed does not depend on the sharding.
+        index of ``prompts[0]``, so each prompt's vLLM seed does not depend on the sharding;
+        ``policy_version`` is recorded per row (the trainer passes the step its weights are from).
+        The sampled tokens' log-probs are recorded where :meth:`logprobs_reason` allows.
         """
         from vllm import SamplingParams as VSamplingParams
 
+        with_logprobs = self.logprobs_reason(params) is None
         self._wake()
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)
         requests = [
@@ -109,17 +171,27 @@ class VLLMEngine:
                 include_stop_str_in_output=True,
                 skip_special_tokens=True,
                 seed=(seed * 1_000_003 + first_prompt_index + i) % (2**31 - 1),
+                logprobs=0 if with_logprobs else None,  # 0: the sampled token's only
             )
             for i in range(len(prompts))
         ]
         outputs = self.llm.generate(requests, per_prompt, use_tqdm=False)
+        tokens = [[list(c.token_ids) for c in out.outputs] for out in outputs]
+        logps = None
+        if with_logprobs:
+            logps = [
+                [_sampled_logprobs(c, first_prompt_index + i) for c in out.outputs]
+                for i, out in enumerate(outputs)
+            ]
         rollout = rollout_from_token_lists(
             self.tokenizer,
             prompt_ids,
             prompt_mask,
-            [[list(c.token_ids) for c in out.outputs] for out in outputs],
+            tokens,
             [[c.finish_reason == "length" for c in out.outputs] for out in outputs],
             group_size,
+            logps,
+            policy_version,
         )
         if self.sleep_between_steps and hasattr(self.llm, "sleep"):
             self.llm.sleep(level=1)
@@ -139,11 +211,16 @@ def rollout_from_token_lists(
     token_lists: list[list[list[int]]],
     truncated: list[list[bool]],
     group_size: int,
+    logprob_lists: list[list[list[float]]] | None = None,
+    policy_version: int | None = None,
 ) -> Rollout:
-    """A :class:`Rollout` from per-prompt lists of G completion token lists (an engine's output).
+    """A :class:`Rollout` from per-prompt lists of G completion token lists (an engine's output),
+    with each token's sampler log-prob (``logprob_lists``, the same nesting) where the engine gave
+    them, and the policy version of every row.
 
     Completions are right-padded with the pad id, the mask covers every returned token (EOS
-    included), and the text is decoded with special tokens skipped: the built-in sampler's layout.
+    included), and the text is decoded with special tokens skipped: the built-in sampler's layout;
+    the log-probs are float32, 0 at padding, as the built-in sampler records them.
     """
     rows = [ids for group in token_lists for ids in group]
     if any(len(group) != group_size for group in token_lists):
@@ -155,12 +232,48 @@ def rollout_from_token_lists(
     for i, ids in enumerate(rows):
         out_BT[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         mask_BT[i, : len(ids)] = True
+    logp_BT = None
+    if logprob_lists is not None:
+        logp_rows = [lp for group in logprob_lists for lp in group]
+        if [len(lp) for lp in logp_rows] != [len(ids) for ids in rows]:
+            raise ValueError("logprob_lists must hold one log-prob per completion token, row for row")
+        logp_BT = torch.zeros((len(rows), T), dtype=torch.float32)
+        for i, lp in enumerate(logp_rows):
+            logp_BT[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    version_B = None if policy_version is None else torch.full((len(rows),), policy_version, dtype=torch.long)
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
     trunc_B = torch.tensor([t for group in truncated for t in group], dtype=torch.bool)
-    return Rollout(prompt_ids, prompt_mask, out_BT, mask_BT, trunc_B, texts, group_size)
+    return Rollout(prompt_ids, prompt_mask, out_BT, mask_BT, trunc_B, texts, group_size, logp_BT, version_B)
 
 
-def _start_llm(model_dir: str, dtype: str, max_new_tokens: int, memory: float, sleep: bool, seed: int):
+def _sampled_logprobs(completion, prompt_index: int) -> list[float]:
+    """Each sampled token's log-prob from one vLLM ``CompletionOutput`` requested with
+    ``logprobs=0``: ``completion.logprobs`` holds one ``{token_id: Logprob}`` per token, the sampled
+    token among them. A missing or non-finite value is an error, not a silent 0: it would enter
+    the ratio and the correction weights as if it were the sampler's."""
+    ids, per_token = list(completion.token_ids), completion.logprobs
+    if per_token is None or len(per_token) != len(ids):
+        got = "none" if per_token is None else len(per_token)
+        raise RuntimeError(
+            f"vLLM returned {got} log-probs for the {len(ids)} tokens of a completion of prompt "
+            f"{prompt_index}; grpokit asks for logprobs=0 and needs one per sampled token"
+        )
+    out = []
+    for t, (token, candidates) in enumerate(zip(ids, per_token, strict=True)):
+        entry = candidates.get(token) if candidates is not None else None
+        value = None if entry is None else float(entry.logprob)
+        if value is None or not math.isfinite(value):
+            raise RuntimeError(
+                f"vLLM gave no finite log-prob ({value}) for sampled token {token} at position {t} of a "
+                f"completion of prompt {prompt_index}: its logits were not finite (diverged weights?)"
+            )
+        out.append(value)
+    return out
+
+
+def _start_llm(
+    model_dir: str, dtype: str, max_new_tokens: int, memory: float, sleep: bool, seed: int, processed: bool
+):
     from vllm import LLM
 
     # external_launcher: vLLM runs inside this process (one per torchrun rank), no workers of its own
@@ -178,6 +291,8 @@ def _start_llm(model_dir: str, dtype: str, max_new_tokens: int, memory: float, s
         seed=seed,
         max_num_seqs=1024,
         enable_prefix_caching=True,  # the G samples of a prompt share its prefix
+        # the sampled tokens' log-probs after temperature and top-k / top-p (module docstring)
+        **({"logprobs_mode": "processed_logprobs"} if processed else {}),
     )
 
 

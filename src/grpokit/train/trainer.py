@@ -174,6 +174,8 @@ class GRPOTrainer:
         longest = None if d.max_prompt_length is None else d.max_prompt_length + r.max_new_tokens
         if self.engine is None and r.decode == "auto" and (why := own_decoder_reason(model, longest)):
             self._print(f"grpokit: the sampler runs the model's Hugging Face forward: {why}")
+        if self.engine is not None and (why := self.engine.logprobs_reason(self.sampling)):
+            self._print(f"grpokit: vLLM rollouts carry no sampler log-probs (logprob_mismatch null): {why}")
         self.step, self.rows_consumed = 0, 0
         self.monitor = HackingMonitor(cfg.monitor) if cfg.monitor.enabled else None
         self._last_completions: list[str] = []
@@ -433,7 +435,9 @@ class GRPOTrainer:
             self.engine.load_weights(gathered_state_dict(self.model, self.dist).items())
             self._engine_stale = False
         seed = int(torch.randint(2**31 - 1, (1,), generator=self.generator, device=self.device))
-        return self.engine.sample(prompts, G, self.sampling, seed, first_prompt_index=r * P)
+        return self.engine.sample(
+            prompts, G, self.sampling, seed, first_prompt_index=r * P, policy_version=self.step - 1
+        )
 
     def _progress(self) -> TrainerProgress:
         """``trainer_state`` for the rewards: the step, the epoch over a finite dataset, max_steps."""
