@@ -25,16 +25,18 @@ def rollout_of(model, tok, params, seed=0):
     return sample(model, tok, PROMPTS, 4, params, torch.Generator().manual_seed(seed), policy_version=3)
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize(("max_rows", "max_tokens"), [(1, None), (3, None), (16, None), (5, 40)])
-def test_sampler_logprobs_equal_the_trainers_recomputation(peaky, temperature, max_rows, max_tokens, packed):
-    # the sampler (grpokit's own decode path) vs the trainer's padded or packed HF forward
+def test_sampler_logprobs_equal_the_trainers_recomputation(peaky, temperature, max_rows, max_tokens, layout):
+    # the sampler (grpokit's own decode path) vs the trainer's HF forward over padded rows, packed
+    # rows, or each prompt once with its rows after it (the costs make sharing always pay)
     model, tok = peaky
     rollout = rollout_of(model, tok, SamplingParams(max_new_tokens=8, temperature=temperature))
     batch = TrainBatch.from_rollout(rollout, torch.zeros(rollout.num_rows))
     plan = plan_micro_batches(batch.total_lengths(), max_rows, max_tokens)
-    recomputed = batch_logprobs(model, batch, plan, 0, temperature, packed=packed)
+    share = (1.0, 0.0) if layout == "shared" else None
+    recomputed = batch_logprobs(model, batch, plan, 0, temperature, packed=layout == "packed", share=share)
     m = rollout.completion_mask
     assert recomputed.dtype == torch.float32 and rollout.sampler_logp.dtype == torch.float32
     assert (recomputed[m] - rollout.sampler_logp[m]).abs().max() < 1e-5
