@@ -302,8 +302,9 @@ class TrainConfig:
         True,
         "Compute each prompt once for all of its rows in a micro-batch: one sequence per prompt, "
         "its completions after it, a 4D mask keeping them apart; the same log-probs and gradients. "
-        "Used where it saves FLOPs (short completions after long prompts); Llama, Qwen2/3 with SDPA "
-        "and no sliding window, also under torchrun (others as before, the reason printed once). "
+        "Used where it saves FLOPs (short completions after long prompts); Llama, Qwen2/3, Mistral with "
+        "SDPA (with a sliding window: the micro-batches whose rows fit in it), also under torchrun "
+        "(others as before, the reason printed once). "
         "Where used, it replaces `packing`'s layout; metric `prompt_shared_fraction`.",
     )
     mu: int = _f(1, "Inner epochs over each batch (optimizer steps per generation step), pi_old fixed.")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grpokit.algo import LossSpec, group_advantages
+from grpokit.models.loading import SharingCosts
 from grpokit.rollout.sampler import SamplingParams, sample
 from grpokit.train.batch import (
     TrainBatch,
@@ -296,7 +297,7 @@ def test_packing_needs_a_family_whose_mask_builder_detects_packed_sequences():
     assert "not one of" in packing_reason(gpt2)
 
 
-ALWAYS_SHARE = (1.0, 0.0)  # (per-token, per-pair) costs under which sharing always pays
+ALWAYS_SHARE = SharingCosts(1.0, 0.0)  # (per-token, per-pair) costs under which sharing always pays
 
 
 def test_shared_layout_holds_each_prompt_once(uneven64):
@@ -350,30 +351,81 @@ def test_sharing_pays_for_long_prompts_and_short_completions_only():
         mask = torch.ones(G, completion_len, dtype=torch.bool)
         return TrainBatch([torch.arange(prompt_len)] * G, comp, mask, torch.zeros(G))
 
-    costs = (2 * 105e6, 4 * 576 * 30)  # SmolLM2-135M: per token, per attended pair
+    costs = SharingCosts(2 * 105e6, 4 * 576 * 30)  # SmolLM2-135M: per token, per attended pair
     assert sharing_pays(rows_of(100, 96), list(range(8)), costs)  # its recipe: 0.67x the FLOPs
     assert not sharing_pays(rows_of(100, 4096), list(range(8)), costs)  # 8 long completions at once
     assert not sharing_pays(rows_of(100, 96, G=1), [0], costs)  # nothing to share
 
 
-def test_prompt_sharing_needs_sdpa_and_no_sliding_window(tiny):
-    from transformers import MistralConfig, MistralForCausalLM
+def test_prompt_sharing_needs_sdpa_and_knows_the_sliding_window(tiny):
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from grpokit.models.loading import prompt_sharing_costs, prompt_sharing_reason
 
     model, _ = tiny
     assert prompt_sharing_reason(model) is None
-    token_cost, pair_cost = prompt_sharing_costs(model)
+    token_cost, pair_cost, window = prompt_sharing_costs(model)
     c = model.config
     assert token_cost == 2 * sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2)
-    assert pair_cost == 4 * c.hidden_size * c.num_hidden_layers
+    assert pair_cost == 4 * c.hidden_size * c.num_hidden_layers and window is None
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=50)  # fmt: skip
     eager = MistralForCausalLM(MistralConfig(**small, sliding_window=None, attn_implementation="eager"))
     assert "not 'sdpa'" in prompt_sharing_reason(eager)
     sliding = MistralForCausalLM(MistralConfig(**small, sliding_window=16))
-    assert "sliding-window" in prompt_sharing_reason(sliding)
-    assert prompt_sharing_reason(MistralForCausalLM(MistralConfig(**small, sliding_window=None))) is None
+    assert prompt_sharing_reason(sliding) is None and prompt_sharing_costs(sliding).window == 16
+    assert (
+        prompt_sharing_costs(MistralForCausalLM(MistralConfig(**small, sliding_window=None))).window is None
+    )
+    off = Qwen2ForCausalLM(Qwen2Config(**small, sliding_window=16, use_sliding_window=False))
+    assert prompt_sharing_costs(off).window is None  # Qwen2's default: the window is not used
+
+
+@pytest.mark.parametrize("below_longest", [0, 3])  # the window: the longest row, or 3 shorter
+def test_sliding_window_models_share_the_micro_batches_inside_their_window(
+    uneven64, monkeypatch, below_longest
+):
+    # the 4D mask skips the sliding window's cut, which changes nothing while a row fits in the
+    # window (float64: the padded plan exactly); a micro-batch with a longer row stays padded
+    from transformers import MistralConfig, MistralForCausalLM
+    from transformers.models.mistral import modeling_mistral
+
+    from grpokit.models.loading import prompt_sharing_costs, prompt_sharing_reason
+
+    def forward(self, x):  # float64 throughout, as float64_norms does for Llama
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
+
+    monkeypatch.setattr(modeling_mistral.MistralRMSNorm, "forward", forward)
+    _, tok, batch = uneven64
+    contexts = batch.context_mask.sum(dim=1).tolist()
+    row_lengths = [len(p) + n for p, n in zip(batch.prompt_ids, contexts, strict=True)]
+    window = max(row_lengths) - below_longest
+    fits = below_longest == 0
+    assert min(row_lengths) <= window - 3  # short rows fit even the smallest window
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=window)  # fmt: skip
+    model = MistralForCausalLM(config).double()
+    assert prompt_sharing_reason(model) is None and prompt_sharing_costs(model).window == window
+    always = SharingCosts(1.0, 0.0, window)
+    B, cpu = batch.num_rows, torch.device("cpu")
+    assert collate(batch, list(range(B)), 0, cpu, share=always).shared is fits
+    if fits:
+        _assert_layout_equals_padded(model, batch, "token_mean", True, share=always)
+        return
+    # the groups (prompts) with a row past the window in one micro-batch, the others in another
+    past = {tuple(batch.prompt_ids[r].tolist()) for r in range(B) if row_lengths[r] > window}
+    cut = [r for r in range(B) if tuple(batch.prompt_ids[r].tolist()) in past]
+    plan = [[r for r in range(B) if r not in cut], cut]
+    assert [collate(batch, mb, 0, cpu, share=always).shared for mb in plan] == [True, False]
+    padded = batch_logprobs(model, batch, plan, 0, 0.9)
+    mixed = batch_logprobs(model, batch, plan, 0, 0.9, share=always)
+    mask = batch.completion_mask
+    torch.testing.assert_close(mixed[mask], padded[mask], rtol=0, atol=1e-12)
+    # sharing the groups past the window would be wrong
+    assert collate(batch, cut, 0, cpu, share=SharingCosts(1.0, 0.0)).shared
+    unguarded = batch_logprobs(model, batch, plan, 0, 0.9, share=SharingCosts(1.0, 0.0))
+    assert (unguarded[mask] - padded[mask]).abs().max() > 1e-6
 
 
 def test_group_plan_keeps_each_prompts_rows_together():

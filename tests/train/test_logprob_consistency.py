@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from grpokit.config import load_config
+from grpokit.models.loading import SharingCosts
 from grpokit.rollout.sampler import SamplingParams, sample
 from grpokit.train.batch import TrainBatch, batch_logprobs, plan_micro_batches
 from grpokit.train.trainer import GRPOTrainer
@@ -35,7 +36,7 @@ def test_sampler_logprobs_equal_the_trainers_recomputation(peaky, temperature, m
     rollout = rollout_of(model, tok, SamplingParams(max_new_tokens=8, temperature=temperature))
     batch = TrainBatch.from_rollout(rollout, torch.zeros(rollout.num_rows))
     plan = plan_micro_batches(batch.total_lengths(), max_rows, max_tokens)
-    share = (1.0, 0.0) if layout == "shared" else None
+    share = SharingCosts(1.0, 0.0) if layout == "shared" else None
     recomputed = batch_logprobs(model, batch, plan, 0, temperature, packed=layout == "packed", share=share)
     m = rollout.completion_mask
     assert recomputed.dtype == torch.float32 and rollout.sampler_logp.dtype == torch.float32

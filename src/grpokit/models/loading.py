@@ -17,6 +17,7 @@ import copy
 import inspect
 import types
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -236,11 +237,25 @@ def packing_reason(model) -> str | None:
     return None
 
 
+def sliding_window(config) -> int | None:
+    """The sliding window of ``config``'s attention layers (keys more than this many positions back
+    are not attended), or None when no layer has one (no window, ``use_sliding_window: false``, or
+    ``layer_types`` without a sliding layer)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
 def prompt_sharing_reason(model) -> str | None:
     """None when the trainer may compute each prompt once for all its rows (``train.share_prompts``):
     a family whose layers take a custom 4D attention mask as it is (transformers' mask builders
-    return one unchanged) through SDPA, with no sliding window (one mask serves every layer); else
-    why not."""
+    return one unchanged) through SDPA; else why not. A sliding window does not stop it: the mask
+    skips its cut, so :func:`grpokit.train.batch.collate` shares only micro-batches whose rows fit
+    inside the window (``SharingCosts.window``), where the window cuts nothing."""
     inner = getattr(model, "module", model)  # DDP
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
     config = getattr(inner, "config", None)
@@ -250,25 +265,32 @@ def prompt_sharing_reason(model) -> str | None:
     attn = getattr(config, "_attn_implementation", None)
     if attn != "sdpa":
         return f"its attention implementation is {attn!r}, not 'sdpa' (a boolean 4D mask needs SDPA)"
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ()
-    sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
-    if sliding and (not layer_types or "sliding_attention" in layer_types):
-        return f"sliding-window attention (window {window}): one mask cannot serve its layers"
     return None
 
 
-def prompt_sharing_costs(model) -> tuple[float, float]:
-    """(FLOPs per token of the decoder layers' matmuls, FLOPs per attended query-key pair) of one
-    forward, for ``train.batch.sharing_pays`` to compare layouts: 2 per weight of the layers, and
-    4 per head dim per head per layer (the scores and the weighted sum)."""
+class SharingCosts(NamedTuple):
+    """What ``train.batch.collate`` weighs to share a micro-batch's prompts: FLOPs per token of the
+    decoder layers' matmuls, FLOPs per attended query-key pair, and the sliding window (None: none)
+    that every shared row (prompt + completion) must fit in."""
+
+    token: float
+    pair: float
+    window: int | None = None
+
+
+def prompt_sharing_costs(model) -> SharingCosts:
+    """The :class:`SharingCosts` of one forward of ``model``, for ``train.batch.sharing_pays`` to
+    compare layouts: 2 per weight of the layers, and 4 per head dim per head per layer (the scores
+    and the weighted sum)."""
     inner = getattr(model, "module", model)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     config = inner.config
     weights = sum(p.numel() for p in inner.model.layers.parameters() if p.dim() == 2)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2.0 * weights, 4.0 * heads * head_dim * config.num_hidden_layers
+    return SharingCosts(
+        2.0 * weights, 4.0 * heads * head_dim * config.num_hidden_layers, sliding_window(config)
+    )
 
 
 class head_returns_hidden:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpokit.models.loading import sliding_window
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -50,7 +52,7 @@ def own_decoder_reason(model, capacity: int | None = None) -> str | None:
     for key in ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(config, key, None) not in (None, 1, 1.0):
             return f"the model scales or caps its logits ({key}={getattr(config, key)})"
-    window = _sliding_window(config)
+    window = sliding_window(config)
     if window is not None and (capacity is None or capacity > window):
         return f"sliding-window attention (window {window}) that the sequence may outgrow"
     base = getattr(inner, "model", None)
@@ -66,16 +68,6 @@ def own_decoder_reason(model, capacity: int | None = None) -> str | None:
     if any(type(p.data) is not torch.Tensor for p in inner.parameters()):
         return "its weights are sharded (FSDP DTensors)"
     return None
-
-
-def _sliding_window(config) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
 
 
 Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias) for F.linear: no module hooks

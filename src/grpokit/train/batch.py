@@ -40,7 +40,7 @@ from grpokit.algo import (
 )
 from grpokit.algo.correction import mismatch_stats
 from grpokit.algo.logprobs import LossGrad
-from grpokit.models.loading import accepts_kwarg, head_returns_hidden
+from grpokit.models.loading import SharingCosts, accepts_kwarg, head_returns_hidden
 from grpokit.rollout.sampler import Rollout
 from grpokit.train.distributed import Dist, grad_sync
 
@@ -234,14 +234,15 @@ def collate(
     pad_id: int,
     device: torch.device,
     packed: bool = False,
-    share: tuple[float, float] | None = None,
+    share: SharingCosts | None = None,
 ) -> MicroBatch:
     """Left-padded prompts + right-padded completions of ``rows``. Attention and positions follow the
     context mask (an episode's environment tokens are context); ``completion_mask`` is the loss mask.
     ``share`` (the model's costs, :func:`grpokit.models.loading.prompt_sharing_costs`): each prompt
-    once (:func:`collate_shared`) where :func:`sharing_pays`; else ``packed``: padding-free
+    once (:func:`collate_shared`) where :func:`sharing_pays` and every row fits in the model's
+    sliding window (the 4D mask does not cut it); else ``packed``: padding-free
     (:func:`collate_packed`)."""
-    if share is not None:
+    if share is not None and _fits_window(batch, rows, share.window):
         groups = _prompt_groups(batch, rows)
         if sharing_pays(batch, rows, share, groups):
             return collate_shared(batch, rows, pad_id, device, groups)
@@ -390,7 +391,7 @@ def batch_logprobs(
     dist: Dist | None = None,
     fused_head: bool = False,
     packed: bool = False,
-    share: tuple[float, float] | None = None,
+    share: SharingCosts | None = None,
 ) -> torch.Tensor:
     """``[B, T]`` log-probs of every completion token under ``model`` (for pi_old and pi_ref), no grad."""
     param = next(model.parameters())
@@ -420,7 +421,7 @@ def accumulate_policy_gradient(
     dist: Dist | None = None,
     fused_head: bool = False,
     packed: bool = False,
-    share: tuple[float, float] | None = None,
+    share: SharingCosts | None = None,
 ) -> UpdateStats:
     """Forward + backward over every micro-batch of ``plan``; gradients accumulate in ``.grad``.
 
@@ -667,10 +668,20 @@ def _prompt_groups(batch: TrainBatch, rows: list[int]) -> list[list[int]]:
     return list(groups.values())
 
 
+def _fits_window(batch: TrainBatch, rows: list[int], window: int | None) -> bool:
+    """Whether every row's prompt + context is at most ``window`` tokens (None: no window), so that
+    a sliding window would cut none of its keys (one token stricter than needed: a row's last token
+    is no query the loss reads)."""
+    if window is None:
+        return True
+    lengths = batch.context_mask[rows].sum(dim=1).tolist()
+    return max(len(batch.prompt_ids[r]) + n for r, n in zip(rows, lengths, strict=True)) <= window
+
+
 def sharing_pays(
     batch: TrainBatch,
     rows: list[int],
-    costs: tuple[float, float],
+    costs: SharingCosts,
     groups: list[list[int]] | None = None,
 ) -> bool:
     """Whether :func:`collate_shared` does less work than :func:`collate`'s padded rows, with
@@ -678,7 +689,7 @@ def sharing_pays(
     both sides (an explicit mask runs them all). One sequence per prompt saves the prompt's repeats
     but attends over all its completions at once, which loses when completions are long.
     ``groups``: :func:`_prompt_groups` of ``rows``, if already computed."""
-    token_cost, pair_cost = costs
+    token_cost, pair_cost = costs.token, costs.pair
     lengths = batch.context_mask[rows].sum(dim=1).tolist()
     groups = _prompt_groups(batch, rows) if groups is None else groups
     S = max(len(batch.prompt_ids[rows[m[0]]]) + sum(lengths[j] for j in m) for m in groups)
