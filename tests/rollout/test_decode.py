@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -211,12 +212,68 @@ def test_models_the_own_path_cannot_serve_say_why():
         decoder_for(gelu, "fast", 10)
 
 
-def test_lora_models_take_the_hf_path():
+def lora_model(family: str = "llama", **config):
+    """``family``'s test model under peft LoRA on all seven projections, with adapters that change
+    the outputs (peft starts B at 0, which would hide a wrong LoRA term)."""
     peft = pytest.importorskip("peft")
-    model, _ = build("llama")
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    assert "LoRA" in own_decoder_reason(lora)
-    assert isinstance(decoder_for(lora, "auto", 10), HFDecoder)
+    model, tok = build(family)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, **config))
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return lora.eval(), tok
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(max_new_tokens=24, temperature=0), SamplingParams(max_new_tokens=24, temperature=1.0)],
+    ids=["greedy", "sampled"],
+)
+def test_lora_models_take_the_own_path_and_sample_the_hf_tokens(family, params):
+    # the own path runs peft's vanilla LoRA term itself: x W^T + b + s * (x A^T) B^T
+    model, tok = lora_model(family)
+    assert own_decoder_reason(model, 90) is None and isinstance(decoder_for(model, "auto", 90), OwnDecoder)
+    runs = {
+        mode: sample(model, tok, PROMPTS, 4, replace(params, decode=mode), torch.Generator().manual_seed(7))
+        for mode in ("hf", "auto")
+    }  # fmt: skip
+    assert torch.equal(runs["auto"].completion_ids, runs["hf"].completion_ids)
+    torch.testing.assert_close(runs["auto"].sampler_logp, runs["hf"].sampler_logp, rtol=0, atol=1e-5)
+    with model.disable_adapter():  # the adapters matter: without them the tokens differ
+        base = sample(model, tok, PROMPTS, 4, replace(params, decode="hf"), torch.Generator().manual_seed(7))
+    assert not torch.equal(base.completion_ids, runs["hf"].completion_ids)
+
+
+def test_lora_logits_follow_hf_step_by_step_and_under_autocast():
+    model, tok = lora_model("qwen2")
+    ids, mask = encode_prompts(tok, PROMPTS)
+    for ctx, atol in ((contextlib.nullcontext(), 1e-5), (mixed_precision("cpu", "bfloat16"), 0.05)):
+        with torch.no_grad(), ctx:
+            own, hf = OwnDecoder(model), HFDecoder(model)
+            own_logits, own_state = own.prefill(ids, mask, 2, ids.shape[1] + 4)
+            hf_logits, hf_state = hf.prefill(ids, mask, 2, ids.shape[1] + 4)
+            for _ in range(4):
+                torch.testing.assert_close(own_logits.float(), hf_logits.float(), rtol=0, atol=atol)
+                nxt = hf_logits.argmax(-1)
+                own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
+
+
+def test_lora_variants_the_own_path_does_not_run_take_the_hf_path():
+    dora, _ = lora_model(use_dora=True)
+    assert "not vanilla LoRA" in own_decoder_reason(dora)
+    assert isinstance(decoder_for(dora, "auto", 90), HFDecoder)
+    merged, _ = lora_model()
+    merged.merge_adapter()
+    assert "merged" in own_decoder_reason(merged)
+    peft = pytest.importorskip("peft")
+    on_head = peft.get_peft_model(
+        build("llama")[0], peft.LoraConfig(r=2, target_modules=["lm_head", "q_proj"])
+    )
+    assert "output head" in own_decoder_reason(on_head)
 
 
 def test_the_cache_is_never_grown():

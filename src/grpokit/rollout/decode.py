@@ -10,9 +10,12 @@ packed into one attention call, so grouped-query attention never repeats the key
 and their dtypes are HF's (RMSNorm in float32, rotary from the model's own ``rotary_emb`` -- every
 rope scaling HF implements --, SDPA, the output head called as a module so ``keep_head_float32``
 holds), under autocast too; tests check greedy and same-uniform sampled tokens against the HF path.
+Under peft's vanilla LoRA (one active, unmerged adapter) each adapted projection runs peft's own
+arithmetic, ``x W^T + b + s * (x A^T) B^T``, unfused; the tokens are the HF path's (tested).
 
 :class:`HFDecoder` is the same interface over the model's own forward and cache: every other
-architecture, LoRA adapters, sharded weights, sliding windows the sequence outgrows.
+architecture, DoRA and other LoRA variants, merged or several adapters, sharded weights, sliding
+windows the sequence outgrows.
 :func:`decoder_for` picks one; :func:`own_decoder_reason` says why a model cannot use its own path.
 
 What it deliberately does not do: training forwards (the trainer uses the HF model, with autograd),
@@ -37,16 +40,20 @@ from grpokit.models.loading import sliding_window
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
+def _unwrapped(model):
+    """The Hugging Face model under a DDP wrapper and a peft model (whose layers keep the adapters)."""
+    inner = getattr(model, "module", model)  # DDP
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+
+
 def own_decoder_reason(model, capacity: int | None = None) -> str | None:
     """None when :class:`OwnDecoder` can sample from ``model`` (sequences up to ``capacity`` tokens);
     else the reason it cannot, for the one-line note the trainer prints."""
-    inner = getattr(model, "module", model)  # DDP
+    inner = _unwrapped(model)
     config = getattr(inner, "config", None)
     family = getattr(config, "model_type", None)
     if family not in FAMILIES:
         return f"model_type {family!r} is not one of {FAMILIES}"
-    if hasattr(inner, "peft_config") or hasattr(inner, "get_base_model"):
-        return "LoRA adapters (peft) wrap its layers"
     if getattr(config, "hidden_act", None) != "silu":
         return f"its MLP activation is {getattr(config, 'hidden_act', None)!r}, not silu"
     for key in ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling"):
@@ -59,18 +66,46 @@ def own_decoder_reason(model, capacity: int | None = None) -> str | None:
     layers = getattr(base, "layers", None)
     if layers is None or not hasattr(base, "rotary_emb") or not hasattr(base, "embed_tokens"):
         return "it does not have the model.layers / rotary_emb / embed_tokens layout of its family"
-    linears = [inner.get_output_embeddings()]
+    head, embed = inner.get_output_embeddings(), base.embed_tokens
+    if type(head) is not torch.nn.Linear or type(embed) is not torch.nn.Embedding:
+        return "its output head or embedding is not a plain Linear / Embedding (quantized or adapted)"
     for layer in layers:
-        a, m = layer.self_attn, layer.mlp
-        linears += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
-    if any(type(x) is not torch.nn.Linear for x in linears):
-        return "some of its projections are not plain Linear layers (quantized or adapted)"
+        for x in _projections(layer):
+            if type(x) is not torch.nn.Linear and (why := _lora_reason(x)) is not None:
+                return why
     if any(type(p.data) is not torch.Tensor for p in inner.parameters()):
         return "its weights are sharded (FSDP DTensors)"
     return None
 
 
-Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias) for F.linear: no module hooks
+def _lora_reason(layer) -> str | None:
+    """None when ``layer`` is a projection :func:`_projection` reads: peft's LoRA ``Linear`` over a
+    plain ``Linear`` with one active, unmerged, vanilla adapter (no DoRA or other variant, no LoRA
+    bias, no dropout: grpokit sets every dropout to 0); else why not."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:
+        LoraLinear = None
+    if LoraLinear is None or type(layer) is not LoraLinear or type(layer.base_layer) is not torch.nn.Linear:
+        return f"some of its projections are not plain or LoRA Linear layers ({type(layer).__name__})"
+    active = list(layer.active_adapters)
+    if layer.disable_adapters or layer.merged or len(active) != 1 or active[0] not in layer.lora_A:
+        return "its LoRA layers are merged, disabled or run several adapters at once"
+    name = active[0]
+    dropout = layer.lora_dropout[name]
+    if (
+        name in getattr(layer, "lora_variant", {})
+        or layer.use_dora.get(name)
+        or layer.fan_in_fan_out
+        or layer.lora_B[name].bias is not None
+        or not (isinstance(dropout, torch.nn.Identity) or getattr(dropout, "p", None) == 0)
+    ):
+        return "its LoRA adapters are not vanilla LoRA (DoRA or another variant, a LoRA bias, dropout)"
+    return None
+
+
+# (weight, bias) for F.linear, no module hooks; or with peft's LoRA (weight, bias, A, B, scaling)
+Linear = tuple
 
 # Up to this many bytes of weights per call, a layer's q/k/v projections (and gate/up) are
 # concatenated into one matmul each: small models pay per operation, not per flop, and the copy is
@@ -111,7 +146,7 @@ class OwnDecoder:
     keep_finished = 0.25  # finished rows stay in the batch until they are over this share of it
 
     def __init__(self, model) -> None:
-        inner = getattr(model, "module", model)
+        inner = _unwrapped(model)
         config, base = inner.config, inner.model
         self.H, self.K = config.num_attention_heads, config.num_key_value_heads
         self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H
@@ -125,7 +160,8 @@ class OwnDecoder:
             layer.self_attn.q_proj.weight.nbytes * 2 + layer.mlp.gate_proj.weight.nbytes * 2
             for layer in base.layers
         )  # about the bytes of the concatenated copies
-        fuse = fused <= FUSE_BYTES
+        lora = any(type(x) is not torch.nn.Linear for layer in base.layers for x in _projections(layer))
+        fuse = fused <= FUSE_BYTES and not lora  # LoRA projections run one by one, as peft runs them
         # under autocast, weights that autocast's cache does not keep (the fused copies, frozen
         # weights) are cast once here: the same values, not once per step (see _cast)
         device_type = self.embed.device.type
@@ -139,9 +175,9 @@ class OwnDecoder:
                     layer.input_layernorm.weight,
                     layer.post_attention_layernorm.weight,
                     _maybe_fused([a.q_proj, a.k_proj, a.v_proj], fuse, cast),
-                    _cast((a.o_proj.weight, a.o_proj.bias), cast),
+                    _projection(a.o_proj, cast),
                     _maybe_fused([m.gate_proj, m.up_proj], fuse, cast),
-                    _cast((m.down_proj.weight, m.down_proj.bias), cast),
+                    _projection(m.down_proj, cast),
                     None if qn is None else qn.weight,
                     None if kn is None else kn.weight,
                 )
@@ -267,12 +303,19 @@ class OwnDecoder:
         return x
 
 
-def _maybe_fused(linears: list[torch.nn.Linear], fuse: bool, cast: torch.dtype | None) -> list[Linear]:
-    """The projections as (weight, bias) pairs, or with ``fuse`` one pair of their concatenation;
-    in dtype ``cast`` when it is not None (see :func:`_cast`)."""
-    pairs = [(x.weight, x.bias) for x in linears]
+def _projections(layer) -> tuple:
+    """A decoder layer's seven projections: q, k, v, o, gate, up, down."""
+    a, m = layer.self_attn, layer.mlp
+    return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
+
+
+def _maybe_fused(linears: list[torch.nn.Module], fuse: bool, cast: torch.dtype | None) -> list[Linear]:
+    """The projections as :func:`_projection` reads them, or with ``fuse`` (plain Linear layers
+    only) one (weight, bias) pair of their concatenation; in dtype ``cast`` when it is not None
+    (see :func:`_cast`)."""
     if not fuse:
-        return [_cast(pair, cast) for pair in pairs]
+        return [_projection(x, cast) for x in linears]
+    pairs = [(x.weight, x.bias) for x in linears]
     weight = torch.cat([w for w, _ in pairs])
     if all(bias is None for _, bias in pairs):
         return [_cast((weight, None), cast)]
@@ -298,8 +341,25 @@ def _cast(linear: Linear, dtype: torch.dtype | None) -> Linear:
     )
 
 
+def _projection(layer: torch.nn.Module, cast: torch.dtype | None) -> Linear:
+    """A plain ``Linear`` as (weight, bias); peft's LoRA ``Linear`` (:func:`_lora_reason`) as
+    (weight, bias, A, B, scaling) of its base layer and active adapter. The base is cast as
+    :func:`_cast` says (a frozen base under LoRA: once per call); A and B are trainable, so
+    autocast casts them once per context itself."""
+    if type(layer) is torch.nn.Linear:
+        return _cast((layer.weight, layer.bias), cast)
+    (name,) = layer.active_adapters
+    base = _cast((layer.base_layer.weight, layer.base_layer.bias), cast)
+    return (*base, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name])
+
+
 def _linear(linear: Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, linear[0], linear[1])
+    out = F.linear(x, linear[0], linear[1])
+    if len(linear) == 2:
+        return out
+    _, _, A, B, scaling = linear  # peft's vanilla LoRA, its operations in its order
+    xa = x if x.dtype == A.dtype else x.to(A.dtype)
+    return out + F.linear(F.linear(xa, A), B) * scaling
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
