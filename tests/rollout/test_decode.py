@@ -171,13 +171,14 @@ def test_under_bfloat16_autocast_the_own_path_follows_hf():
         torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=0.05)
 
 
-@pytest.mark.parametrize("case", ["own", "own-unfused-frozen", "hf"])
+@pytest.mark.parametrize("case", ["own", "own-unfused-frozen", "own-lora", "hf"])
 def test_under_autocast_a_sampler_call_casts_each_weight_once(case, monkeypatch):
     """Autocast keeps its casts of the weights for the rest of its context, but not under inference
     mode, and never for tensors that are not trainable leaves (the own path's fused copies, frozen
     weights): then every linear casts its weight again at every step (two fifths of a bfloat16
-    SmolLM2 call)."""
-    model, tok = build("qwen2")
+    SmolLM2 call). Under LoRA the frozen base weights are cast once per call (the HF path with
+    peft's modules casts them at every step: 140 casts for this model's 43 linears)."""
+    model, tok = lora_model("qwen2") if case == "own-lora" else build("qwen2")
     keep_head_float32(model)  # as the trainer does under autocast: the head is never cast
     decode = "hf" if case == "hf" else "auto"
     if case == "own-unfused-frozen":
