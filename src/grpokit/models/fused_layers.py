@@ -34,6 +34,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from grpokit.models.loading import hf_model
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -126,8 +128,7 @@ def fuse_layers(model) -> str | None:
     """Rebind the RMSNorm and MLP forwards of ``model`` (see the module docstring), in place;
     bound per module, so a deep copy (the reference model) keeps them. Returns None when both
     were rebound, else why one or both were left as they are."""
-    inner = getattr(model, "module", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+    inner = hf_model(model)
     config = getattr(inner, "config", None)
     family = getattr(config, "model_type", None)
     if family not in FAMILIES:

@@ -187,11 +187,17 @@ def reference_copy(model, compute_dtype: torch.dtype | None = None):
 _ACCEPTS: dict[tuple[type, str], bool] = {}
 
 
+def hf_model(model):
+    """The Hugging Face model under a DistributedDataParallel wrapper and a peft model (whose layers
+    keep their adapters); ``model`` itself otherwise."""
+    inner = getattr(model, "module", model)  # DDP
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+
+
 def accepts_kwarg(model, name: str) -> bool:
     """Does ``model.forward`` take keyword ``name``? (``logits_to_keep``, ``cache`` vs ``past_key_values``
     differ across transformers versions and architectures.) Cached per model class."""
-    target = getattr(model, "module", model)  # under a DistributedDataParallel wrapper
-    target = target.get_base_model() if hasattr(target, "get_base_model") else target  # peft: **kwargs
+    target = hf_model(model)  # peft's forward takes **kwargs
     key = (type(target), name)
     if key not in _ACCEPTS:
         _ACCEPTS[key] = name in inspect.signature(target.forward).parameters
@@ -225,8 +231,7 @@ def packing_reason(model) -> str | None:
     """None when the trainer may pack micro-batches without padding (``train.packing``): the model's
     family builds its attention mask with transformers' packed-sequence detection (attention mask
     None, position ids restarting at 0 per sequence); else why not."""
-    inner = getattr(model, "module", model)  # DDP
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+    inner = hf_model(model)
     family = getattr(getattr(inner, "config", None), "model_type", None)
     if family not in FUSED_HEAD_FAMILIES:
         return f"model_type {family!r} is not one of {FUSED_HEAD_FAMILIES}"
@@ -256,8 +261,7 @@ def prompt_sharing_reason(model) -> str | None:
     return one unchanged) through SDPA; else why not. A sliding window does not stop it: the mask
     skips its cut, so :func:`grpokit.train.batch.collate` shares only micro-batches whose rows fit
     inside the window (``SharingCosts.window``), where the window cuts nothing."""
-    inner = getattr(model, "module", model)  # DDP
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+    inner = hf_model(model)
     config = getattr(inner, "config", None)
     family = getattr(config, "model_type", None)
     if family not in FUSED_HEAD_FAMILIES:
@@ -282,8 +286,7 @@ def prompt_sharing_costs(model) -> SharingCosts:
     """The :class:`SharingCosts` of one forward of ``model``, for ``train.batch.sharing_pays`` to
     compare layouts: 2 per weight of the layers, and 4 per head dim per head per layer (the scores
     and the weighted sum)."""
-    inner = getattr(model, "module", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    inner = hf_model(model)
     config = inner.config
     weights = sum(p.numel() for p in inner.model.layers.parameters() if p.dim() == 2)
     heads = config.num_attention_heads

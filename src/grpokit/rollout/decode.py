@@ -35,21 +35,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpokit.models.loading import sliding_window
+from grpokit.models.loading import hf_model, sliding_window
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def _unwrapped(model):
-    """The Hugging Face model under a DDP wrapper and a peft model (whose layers keep the adapters)."""
-    inner = getattr(model, "module", model)  # DDP
-    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
 
 
 def own_decoder_reason(model, capacity: int | None = None) -> str | None:
     """None when :class:`OwnDecoder` can sample from ``model`` (sequences up to ``capacity`` tokens);
     else the reason it cannot, for the one-line note the trainer prints."""
-    inner = _unwrapped(model)
+    inner = hf_model(model)
     config = getattr(inner, "config", None)
     family = getattr(config, "model_type", None)
     if family not in FAMILIES:
@@ -146,7 +140,7 @@ class OwnDecoder:
     keep_finished = 0.25  # finished rows stay in the batch until they are over this share of it
 
     def __init__(self, model) -> None:
-        inner = _unwrapped(model)
+        inner = hf_model(model)
         config, base = inner.config, inner.model
         self.H, self.K = config.num_attention_heads, config.num_key_value_heads
         self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H
