@@ -113,12 +113,13 @@ class DataConfig:
 class RolloutConfig:
     engine: str = _f(
         "builtin",
-        "Generation engine: builtin (KV-cached sampler, any device) | vllm (GPU, needs grpokit[vllm]).",
+        "Generation engine: builtin (KV-cached sampler, any device) | vllm (GPU, needs grpokit[vllm]; "
+        "with LoRA each weight push merges the adapters in).",
     )
     decode: str = _f(
         "auto",
         "Built-in sampler's forward: auto (grpokit's own with a preallocated KV cache for Llama, "
-        "Qwen2/3 and Mistral; else, or with LoRA, the model's HF forward, the reason printed once) | "
+        "Qwen2/3 and Mistral, vanilla LoRA included; else the model's HF forward, the reason printed once) | "
         "hf (always HF's).",
     )
     group_size: int = _f(8, "G: completions sampled per prompt (>= 2).")
@@ -501,11 +502,6 @@ def validate(cfg: GRPOConfig) -> None:
     if r.engine == "vllm":
         from grpokit.rollout.vllm_engine import check_available
 
-        if m.lora is not None:
-            raise ConfigError(
-                "rollout.engine=vllm does not support model.lora yet (adapters would have to be merged "
-                "before every weight push); use rollout.engine=builtin with LoRA"
-            )
         check_available()  # raises ConfigError naming what is missing: the package or a GPU
     _check("rollout.group_size", r.group_size >= 2, r.group_size, "an int >= 2 (GRPO compares within groups)")
     _check("rollout.max_new_tokens", r.max_new_tokens >= 1, r.max_new_tokens, ">= 1")

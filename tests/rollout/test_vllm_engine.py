@@ -5,6 +5,7 @@ against it."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import time
@@ -14,6 +15,8 @@ import torch
 
 import grpokit.rollout.vllm_engine as vllm_engine
 from grpokit.config import ConfigError, load_config
+from grpokit.errors import MissingFileError
+from grpokit.models.loading import base_model_path, load_model, lora_merge_reason, merged_state_dict
 from grpokit.rollout.sampler import SamplingParams, encode_prompts, sample
 from grpokit.rollout.vllm_engine import (
     VLLMEngine,
@@ -22,6 +25,7 @@ from grpokit.rollout.vllm_engine import (
     sampler_logprobs_reason,
 )
 from tests.rollout.fake_vllm import FakeLLM, install_fake_vllm_module
+from tests.rollout.test_decode import build, lora_model
 
 HAS_VLLM_GPU = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
 
@@ -169,10 +173,85 @@ def test_rollout_correction_with_vllm_needs_its_processed_logprobs(monkeypatch):
     assert load_config("demo", [*sets, "rollout.temperature=0.7", "rollout.top_k=20"])
 
 
-def test_refused_with_lora():
-    pytest.importorskip("peft")
-    with pytest.raises(ConfigError, match=r"does not support model\.lora"):
-        load_config("demo", ["rollout.engine=vllm", "model.lora={r: 4}"])
+def test_lora_adapters_are_merged_into_the_pushed_weights_aside():
+    model, _ = lora_model("qwen2")  # adapters on all seven projections, B not 0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pushed = merged_state_dict(model)
+    want = copy.deepcopy(model).merge_and_unload().state_dict()  # peft's own merge, in place on a copy
+    assert pushed.keys() == want.keys()  # the base model's names: what vLLM's load_weights takes
+    for key, value in want.items():
+        torch.testing.assert_close(pushed[key], value, rtol=0, atol=1e-6)
+    # an independent float64 reference for one layer: W + (alpha / r) B A
+    q = model.base_model.model.model.layers[1].self_attn.q_proj
+    A, B = q.lora_A["default"].weight.double(), q.lora_B["default"].weight.double()
+    reference = q.base_layer.weight.double() + (8 / 4) * B @ A
+    got = pushed["model.layers.1.self_attn.q_proj.weight"].double()
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-6)
+    assert not torch.allclose(reference, q.base_layer.weight.double(), atol=1e-3)  # the adapter matters
+    # the trainer's model is neither merged nor changed, and weights without an adapter are not copied
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    embed = model.base_model.model.model.embed_tokens.weight
+    assert pushed["model.embed_tokens.weight"].data_ptr() == embed.data_ptr()
+    with model.disable_adapter():  # adapters off: the base weights themselves
+        off = merged_state_dict(model)
+    assert torch.equal(off["model.layers.1.self_attn.q_proj.weight"], q.base_layer.weight)
+
+
+def test_adapters_that_do_not_merge_by_addition_are_refused_with_the_reason():
+    peft = pytest.importorskip("peft")
+    plain, _ = build("llama")
+    assert lora_merge_reason(plain) is None
+    assert merged_state_dict(plain).keys() == plain.state_dict().keys()
+    dora, _ = lora_model(use_dora=True)
+    assert "not vanilla LoRA" in lora_merge_reason(dora)
+    with pytest.raises(ValueError, match="cannot merge this model's adapters"):
+        merged_state_dict(dora)
+    merged, _ = lora_model()
+    merged.merge_adapter()
+    assert "merged" in lora_merge_reason(merged)
+    saved = peft.get_peft_model(
+        build("llama")[0], peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    )
+    assert "modules_to_save" in lora_merge_reason(saved)
+
+
+def test_lora_runs_are_accepted_and_an_adapter_directory_starts_vllm_from_its_base(
+    tmp_path, tiny_dir, monkeypatch
+):
+    peft = pytest.importorskip("peft")
+    monkeypatch.setattr(vllm_engine, "check_available", lambda: None)  # as if vLLM and a GPU were here
+    assert load_config("demo", ["rollout.engine=vllm", "model.lora={r: 4}"]).model.lora.r == 4
+    model, _ = load_model(str(tiny_dir))
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    adapted.save_pretrained(tmp_path / "adapter")
+    assert base_model_path(tmp_path / "adapter") == tiny_dir  # vLLM cannot load an adapter directory
+    assert base_model_path(tiny_dir) == tiny_dir
+    started = []
+    monkeypatch.setattr(vllm_engine, "_start_llm", lambda model_dir, *a: started.append(model_dir))
+    adapter_dir = json.dumps(str(tmp_path / "adapter"))
+    cfg = load_config(None, ["rollout.engine=vllm", f"model.name_or_path={adapter_dir}"])
+    vllm_engine.engine_from_config(cfg, None)
+    assert started == [str(tiny_dir)]
+    (tmp_path / "orphan").mkdir()
+    (tmp_path / "orphan" / "adapter_config.json").write_text("{}")
+    with pytest.raises(MissingFileError, match="names no base_model_name_or_path"):
+        base_model_path(tmp_path / "orphan")
+
+
+def test_a_lora_model_vllm_cannot_take_is_refused_before_vllm_starts(tmp_path, tiny_dir, monkeypatch):
+    peft = pytest.importorskip("peft")
+    from grpokit.train.trainer import GRPOTrainer
+    from tests.helpers import varied
+
+    monkeypatch.setattr(vllm_engine, "check_available", lambda: None)
+    monkeypatch.setattr(vllm_engine, "_start_llm", lambda *a: pytest.fail("vLLM started"))
+    model, tok = load_model(str(tiny_dir))
+    dora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    out = json.dumps(str(tmp_path / "run"))
+    cfg = load_config("demo", ["rollout.engine=vllm", f"train.output_dir={out}"])
+    with pytest.raises(ConfigError, match=r"not vanilla LoRA.*rollout\.engine=builtin"):
+        GRPOTrainer(cfg, model=dora, tokenizer=tok, rewards=[varied])
 
 
 @pytest.mark.skipif(not HAS_VLLM_GPU, reason="needs the vllm package and a CUDA GPU (the vllm extra)")

@@ -207,9 +207,10 @@ def test_with_top_k_the_sampler_logprobs_are_pi_old(tmp_path, tiny_dir, monkeypa
     assert trained[0]["ratio_mean"] < 1.0 and trained[0]["logprob_mismatch"] > 1e-3
 
 
-def vllm_trainer(monkeypatch, cfg, **fake) -> GRPOTrainer:
+def vllm_trainer(monkeypatch, cfg, engine_model=None, **fake) -> GRPOTrainer:
     """A trainer whose rollouts come from the vLLM engine over a CPU stand-in for vLLM
-    (tests/rollout/fake_vllm.py): its own copy of the model, kept current by the weight push."""
+    (tests/rollout/fake_vllm.py): its own copy of the model (or of ``engine_model``: a LoRA run's
+    plain base, as vLLM loads it), kept current by the weight push."""
     from grpokit.rollout.vllm_engine import VLLMEngine
     from tests.rollout.fake_vllm import FakeLLM, install_fake_vllm_module
 
@@ -219,7 +220,7 @@ def vllm_trainer(monkeypatch, cfg, **fake) -> GRPOTrainer:
     trainer.engine = VLLMEngine(
         "unused", trainer.tokenizer, dtype="float32", max_new_tokens=r.max_new_tokens,
         gpu_memory_utilization=0.1, sleep=False, seed=0,
-        llm=FakeLLM(trainer.model, trainer.tokenizer, **fake), processed_logprobs=True,
+        llm=FakeLLM(engine_model or trainer.model, trainer.tokenizer, **fake), processed_logprobs=True,
     )  # fmt: skip
     return trainer
 
@@ -238,6 +239,24 @@ def test_vllm_rollouts_feed_the_mismatch_metric_and_the_correction(tmp_path, tin
             assert row["logprob_mismatch"] < 1e-5 and row["logprob_ratio_outside"] == 0.0
     if sets:
         assert all(row["is_weight_mean"] == pytest.approx(1.0, abs=1e-5) for row in rows)
+
+
+def test_lora_runs_sample_on_vllm_with_the_adapters_merged_into_every_push(tmp_path, tiny_dir, monkeypatch):
+    pytest.importorskip("peft")
+    from grpokit.models.loading import load_model
+
+    sets = {"model.lora": {"r": 4, "alpha": 8}, "train.max_steps": 3, "train.lr": 0.05}
+    base, _ = load_model(str(tiny_dir))  # vLLM holds plain weights under the base model's names
+    trainer = vllm_trainer(monkeypatch, config(tmp_path, tiny_dir, "run", **sets), engine_model=base)
+    trainer.train()
+    assert trainer.engine.llm.pushes == 3  # a strict load_state_dict: every name is the base's
+    rows = metrics(tmp_path, "run")
+    assert [r["optimizer_step_skipped"] for r in rows] == [False] * 3
+    # pushes 2 and 3 carry adapters the updates moved: vLLM samples the adapted policy, so the
+    # trainer's recomputed log-probs equal vLLM's; an unmerged push would show here as a mismatch
+    assert all(r["logprob_mismatch"] < 1e-5 and r["logprob_ratio_outside"] == 0.0 for r in rows)
+    served = trainer.engine.llm.model.model.layers[0].self_attn.q_proj.weight
+    assert (served - base.model.layers[0].self_attn.q_proj.weight).abs().max() > 1e-3
 
 
 def test_a_vllm_mismatch_is_measured_and_corrected(tmp_path, tiny_dir, monkeypatch):

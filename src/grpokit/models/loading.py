@@ -184,6 +184,88 @@ def reference_copy(model, compute_dtype: torch.dtype | None = None):
     return ref
 
 
+def base_model_path(path: Path) -> Path:
+    """The directory of the model whose weights ``path`` holds: ``path`` itself, or for a LoRA
+    adapter directory (``adapter_config.json``) its base model's, resolved as ``model.name_or_path``."""
+    import json
+
+    config = path / "adapter_config.json"
+    if not config.is_file() or (path / "config.json").is_file():
+        return path
+    base = json.loads(config.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise MissingFileError(
+            f"{config} names no base_model_name_or_path: cannot find the adapter's base model"
+        )
+    return resolve_model_path(base)
+
+
+def lora_merge_reason(model) -> str | None:
+    """None when :func:`merged_state_dict` can merge ``model``'s adapters exactly (a plain model, or
+    peft LoRA on ``Linear`` layers: vanilla adapters, no DoRA or other variant, no LoRA bias, no
+    ``modules_to_save`` copies); else why not."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return None  # without peft there are no adapters
+    for name, module in hf_model(model).named_modules():
+        if "modules_to_save" in name or "original_module" in name:
+            return f"it trains full copies of some modules (modules_to_save: {name})"
+        if not isinstance(module, LoraLayer):
+            continue
+        if type(module) is not LoraLinear or module.merged:
+            kind = type(module).__name__ + (" (merged)" if module.merged else "")
+            return f"{name} is a {kind}, not an unmerged LoRA Linear"
+        for adapter in _active_adapters(module):
+            if (
+                adapter in getattr(module, "lora_variant", {})
+                or module.use_dora.get(adapter)
+                or module.lora_B[adapter].bias is not None
+            ):
+                why = "DoRA or another variant, a LoRA bias"
+                return f"{name}'s adapter {adapter!r} is not vanilla LoRA ({why})"
+    return None
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """``model``'s weights under the base model's parameter names, each LoRA layer's weight with its
+    active adapters added (``W + scaling * B @ A``, peft's ``get_delta_weight``, as peft's merge does):
+    what an inference engine without adapters loads. The model itself is not changed; weights
+    without an adapter are returned as they are (no copy). Plain models: their ``state_dict``."""
+    inner = hf_model(model)
+    state = inner.state_dict()
+    if (why := lora_merge_reason(model)) is not None:
+        raise ValueError(f"cannot merge this model's adapters into plain weights: {why}")
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return state
+    layers = {name: m for name, m in inner.named_modules() if isinstance(m, LoraLayer)}
+    if not layers:
+        return state
+    out = {}
+    for key, tensor in state.items():
+        if ".lora_" in key:
+            continue  # lora_A / lora_B / lora_embedding_*: folded into the base weight below
+        name, _, leaf = key.rpartition(".")
+        owner = name.removesuffix(".base_layer")
+        if owner in layers and name.endswith(".base_layer") and leaf == "weight":
+            module = layers[owner]
+            with torch.no_grad():
+                for adapter in _active_adapters(module):
+                    tensor = tensor + module.get_delta_weight(adapter).to(tensor.dtype)
+        out[f"{owner}.{leaf}" if name.endswith(".base_layer") else key] = tensor
+    return out
+
+
+def _active_adapters(layer) -> list[str]:
+    """The adapters a peft LoRA layer's forward applies (none while adapters are disabled)."""
+    if layer.disable_adapters:
+        return []
+    return [a for a in layer.active_adapters if a in layer.lora_A]
+
+
 _ACCEPTS: dict[tuple[type, str], bool] = {}
 
 

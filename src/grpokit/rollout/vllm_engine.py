@@ -24,10 +24,17 @@ sampler log-probs (:func:`sampler_logprobs_reason` says why). With them, the tra
 ``logprob_mismatch`` metric, ``algo.rollout_correction`` (TIS / sequence-masked IS) and, under
 top-k / top-p, pi_old work on vLLM rollouts as on the built-in sampler's.
 
+LoRA (``model.lora``, or a model directory holding an adapter): vLLM starts from the base model's
+directory and every push carries the base weights with the current adapters merged in
+(``W + scaling * B @ A``, ``models.loading.merged_state_dict``), so vLLM samples the policy the
+trainer trains, with its ordinary kernels. The merged weights are computed aside: the trainer's
+model is never merged and unmerged in place (TRL's way), whose ``W + d - d`` in floating point
+would leave the frozen base weights a rounding away from where they were after every push.
+
 What it deliberately does not do: serve over HTTP (server mode), tensor-parallel generation, LoRA
-adapters (``model.lora`` is refused with this engine), or compute the training log-probs (the
-trainer recomputes them with its own model, so a vLLM numerics difference never enters the loss
-as anything but an off-policy ratio).
+variants that do not merge by addition (DoRA, LoRA biases, ``modules_to_save``: refused at
+start-up), or compute the training log-probs (the trainer recomputes them with its own model, so a
+vLLM numerics difference never enters the loss as anything but an off-policy ratio).
 """
 
 from __future__ import annotations
@@ -319,11 +326,11 @@ def engine_from_config(cfg, tokenizer) -> VLLMEngine | None:
     sampler."""
     if cfg.rollout.engine != "vllm":
         return None
-    from grpokit.models.loading import resolve_model_path
+    from grpokit.models.loading import base_model_path, resolve_model_path
 
     r = cfg.rollout
-    return VLLMEngine(
-        str(resolve_model_path(cfg.model.name_or_path, cfg.model.gguf_file)),
+    return VLLMEngine(  # an adapter directory's base: vLLM starts from it, the push merges the adapter
+        str(base_model_path(resolve_model_path(cfg.model.name_or_path, cfg.model.gguf_file))),
         tokenizer,
         dtype=cfg.model.dtype,
         max_new_tokens=r.max_new_tokens,

@@ -44,7 +44,7 @@ from grpokit.data.datasets import RowsSource, build_prompt, build_sources, filte
 from grpokit.diagnostics.hacking import HackingMonitor
 from grpokit.errors import CheckpointError, ConfigError, RunExistsError, TrainingInterrupted
 from grpokit.models.fused_layers import fuse_layers
-from grpokit.models.loading import keep_head_float32, load_model, mixed_precision
+from grpokit.models.loading import keep_head_float32, load_model, lora_merge_reason, mixed_precision
 from grpokit.report import write_report
 from grpokit.rewards.registry import (
     Scores,
@@ -165,6 +165,11 @@ class GRPOTrainer:
         if t.share_prompts and self.learner.share is None:
             self._print(f"grpokit: each row computes its own prompt: {self.learner.sharing_off}")
         self.generator = torch.Generator(self.device).manual_seed(t.seed)
+        if cfg.rollout.engine == "vllm" and (why := lora_merge_reason(model)):
+            raise ConfigError(
+                f"rollout.engine=vllm pushes plain weights with the LoRA adapters merged in, and {why}; "
+                "use rollout.engine=builtin for this model"
+            )
         self.engine, self._engine_stale = engine_from_config(cfg, tokenizer), True
         self.episodes = episodes_from_config(cfg, tokenizer, rollout_env(cfg))  # None: single turns
         r = cfg.rollout
