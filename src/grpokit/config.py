@@ -522,11 +522,6 @@ def validate(cfg: GRPOConfig) -> None:
         env = rollout_env(cfg)
         if env not in BUILTIN_ENVS and ":" not in env:
             raise ConfigError(f"rollout.env={env!r}: use one of {', '.join(BUILTIN_ENVS)} or 'module:Class'")
-        if r.engine == "vllm":
-            raise ConfigError(
-                "rollout.env (multi-turn episodes) runs on the built-in sampler only: its token-exact "
-                "episodes keep each episode's KV cache across turns; use rollout.engine=builtin"
-            )
         if env == "tools" and not r.tools:
             raise ConfigError(
                 "rollout.env=tools needs rollout.tools, e.g. [calculator, python, 'module:function']"

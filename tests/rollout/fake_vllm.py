@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpokit.rollout.sampler import SamplingParams, sample
+from grpokit.rollout.sampler import SamplingParams, encode_prompts, sample
 
 
 @dataclass
@@ -54,6 +54,11 @@ class FakeLLM:
         outputs, reported = [], 0
         for request, p in zip(requests, params, strict=True):
             text = self.tokenizer.decode(request["prompt_token_ids"])
+            # vLLM runs the ids it is given; this stand-in replays them as text, so it checks that
+            # the text encodes back to exactly those ids (else it would answer another prompt)
+            again, real = encode_prompts(self.tokenizer, [text])
+            if again[real].tolist() != list(request["prompt_token_ids"]):
+                raise AssertionError("the fake vLLM cannot replay these prompt ids exactly as text")
             ours = SamplingParams(p.max_tokens, p.temperature, p.top_p, max(p.top_k, 0), tuple(p.stop or ()))
             r = sample(self.model, self.tokenizer, [text], p.n, ours, torch.Generator().manual_seed(p.seed))
             completions = []

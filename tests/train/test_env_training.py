@@ -161,6 +161,34 @@ def test_resume_equals_uninterrupted_with_an_environment(tmp_path, reference_run
     assert (out / "samples.jsonl").read_text() == (reference_run / "samples.jsonl").read_text()
 
 
+def test_episodes_train_on_the_vllm_engine(tmp_path, monkeypatch):
+    # the calculator's tool episodes sampled by the vLLM engine (over the CPU stand-in for vLLM):
+    # the trainer's log-probs of the model's tokens equal vLLM's across turns, and the episode
+    # metrics and samples are those of a multi-turn run
+    import grpokit.rollout.vllm_engine as vllm_engine
+    from grpokit.rollout.vllm_engine import VLLMEngine
+    from tests.rollout.fake_vllm import FakeLLM, install_fake_vllm_module
+
+    monkeypatch.setattr(vllm_engine, "check_available", lambda: None)  # as if vLLM and a GPU were here
+    on_vllm = load_config(None, calculator_sets(tmp_path / "accepted", **{"rollout.engine": "vllm"}))
+    assert on_vllm.rollout.engine == "vllm" and on_vllm.data.task == "calculator"
+    install_fake_vllm_module(monkeypatch)
+    sets = {"train.max_steps": 3, "train.save_every": 0, "algo.beta": 0.1}
+    trainer = GRPOTrainer(load_config(None, calculator_sets(tmp_path / "run", **sets)), rewards=[varied])
+    trainer.engine = VLLMEngine(
+        "unused", trainer.tokenizer, dtype="float32", max_new_tokens=40, gpu_memory_utilization=0.1,
+        sleep=False, seed=0, llm=FakeLLM(trainer.model, trainer.tokenizer), processed_logprobs=True,
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.engine.llm.pushes == 3
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and any(r["tool_calls_mean"] > 0 for r in rows)
+    assert all(r["logprob_mismatch"] < 5e-5 and r["logprob_ratio_outside"] == 0.0 for r in rows)
+    assert all(r["env_tokens_mean"] > 0 for r in rows)
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert any(s["tool_calls"] and s["turns"][1]["text"].startswith("<result>") for s in samples)
+
+
 def test_env_config_is_checked_at_start_up(tmp_path):
     from grpokit.errors import ConfigError
 

@@ -23,6 +23,10 @@ Randomness: the k-th model token of global row i uses uniform ``u[k, i]`` of one
 front, as in ``sampler.sample``: a row's episode does not depend on which rows share its batch
 (data parallelism samples the same episodes as one process).
 
+``start_episodes``, ``end_turn`` and ``episode_rollout`` are the environment side and the records,
+shared with the vLLM engine's episodes (``VLLMEngine.sample_episodes``), which generate each turn
+with vLLM instead of this module's cached decode.
+
 What it deliberately does not do: score episodes (rewards do, with the conversation as a column),
 or run environments in parallel across rows (tool calls within a turn do run in parallel).
 """
@@ -181,20 +185,13 @@ def sample_episodes(
     total = B if num_rows_total is None else num_rows_total
     if not 0 <= row_offset <= total - B:
         raise ValueError(f"rows [{row_offset}, {row_offset + B}) do not fit a batch of {total} rows")
-    envs = [make_env() for _ in range(B)]
-    first = [env.reset(rows[b // G]) for b, env in enumerate(envs)]
-    if any(first[b] != first[b // G * G] for b in range(B)):
-        raise ValueError("an environment's reset(row) returned different messages for the same row")
-    fmt = fmt if fmt is not None else conversation_format(tokenizer, envs[0].tool_schemas)
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, [fmt.render(first[p * G], True) for p in range(P)])
-    stops = tuple(params.stop) + tuple(envs[0].stop)
+    envs, rec, fmt, prompt_ids, prompt_mask, stops = start_episodes(tokenizer, rows, make_env, G, params, fmt)
     eos, pad = tokenizer.eos_token_id, pad_token_id(tokenizer)
     # nothing made inside leaves it but Python lists (the environments' own steps run outside it)
     with sampling_mode(model):
         u_KB = uniforms(max_episode_tokens, total, row_offset, B, params.temperature, generator, device)
         logits_bV, cache, attn_bL = prompt_pass(model, prompt_ids, prompt_mask, G, device)
 
-        rec = [_Record(list(first[b])) for b in range(B)]
         active = list(range(B))  # rows still running, in the cache's batch order
         while active:
             u_b = u_KB[[rec[b].num_model for b in active], active]
@@ -211,39 +208,11 @@ def sample_episodes(
                     feeds.append([token])
                     keep.append(j)
                     continue
-                turn_text = tokenizer.decode(
-                    r.turn, skip_special_tokens=False, clean_up_tokenization_spaces=False
-                )
-                before = list(r.messages)
-                content = assistant_content(fmt, turn_text)
-                r.messages.append({"role": "assistant", "content": content})
-                r.turns.append(Turn("assistant", content, True, len(r.turn)))
-                r.turn = []
-                if not ended:
-                    r.stop = "turn_length" if len(r.ids) < max_episode_tokens else "budget"
-                    continue
                 with torch.inference_mode(False):  # the user's environment: ordinary tensors
-                    res = envs[b].step(content)
-                if res.reward is not None:
-                    r.reward = (r.reward or 0.0) + float(res.reward)
-                r.tool_calls += int(res.info.get("tool_calls", 0))
-                r.tool_errors += int(res.info.get("tool_errors", 0))
-                if res.observation is None:
-                    r.stop = "done"
-                    continue
-                if r.num_turns == max_turns:
-                    r.stop = "max_turns"
-                    continue
-                text = observation_text(fmt, before, turn_text, res.observation)
-                delta = tokenizer(text, add_special_tokens=False)["input_ids"]
-                if len(r.ids) + len(delta) >= max_episode_tokens:  # no room for the observation and a reply
-                    r.stop = "budget"
-                    continue
-                r.messages.extend(res.observation)
-                r.turns.append(Turn("+".join(m["role"] for m in res.observation), text, False, len(delta)))
-                r.add(delta, False, [0.0] * len(delta))
-                feeds.append([token, *delta])
-                keep.append(j)
+                    delta = end_turn(r, envs[b], fmt, tokenizer, ended, max_turns, max_episode_tokens)
+                if delta is not None:
+                    feeds.append([token, *delta])
+                    keep.append(j)
             if not keep:
                 break
             if len(keep) < len(active):  # drop finished rows from the batch and the cache
@@ -253,16 +222,80 @@ def sample_episodes(
                 active = [active[j] for j in keep]
             logits_bV, cache, attn_bL = _feed(model, feeds, attn_bL, cache, pad, device)
 
-    T = max(len(r.ids) for r in rec)
+    return episode_rollout(rec, prompt_ids, prompt_mask, G, pad, policy_version)
+
+
+def start_episodes(tokenizer, rows: list[dict], make_env, group_size: int, params: SamplingParams, fmt=None):
+    """A fresh environment and :class:`Record` per episode (``group_size`` per row, group after
+    group), reset on its row; returns ``(envs, records, fmt, prompt_ids, prompt_mask, stops)``:
+    the conversation format, each row's rendered first messages encoded once (left-padded), and
+    the strings that end a model turn (``params.stop``, then the environment's)."""
+    G = group_size
+    envs = [make_env() for _ in range(len(rows) * G)]
+    first = [env.reset(rows[b // G]) for b, env in enumerate(envs)]
+    if any(first[b] != first[b // G * G] for b in range(len(envs))):
+        raise ValueError("an environment's reset(row) returned different messages for the same row")
+    fmt = fmt if fmt is not None else conversation_format(tokenizer, envs[0].tool_schemas)
+    prompts = [fmt.render(first[p * G], True) for p in range(len(rows))]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts)
+    records = [Record(list(m)) for m in first]
+    return envs, records, fmt, prompt_ids, prompt_mask, tuple(params.stop) + tuple(envs[0].stop)
+
+
+def end_turn(
+    r: Record, env: Environment, fmt, tokenizer, ended: bool, max_turns: int, max_episode_tokens: int
+) -> list[int] | None:
+    """Close the model turn whose ids are ``r.turn`` (already in ``r.ids``): record the message,
+    and when the model ``ended`` it (EOS, a stop string) give it to the environment. Returns the
+    ids of the observation the episode goes on with (appended to ``r``, not trained), or None when
+    the episode is over (``r.stop`` says why)."""
+    turn_text = tokenizer.decode(r.turn, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    before = list(r.messages)
+    content = assistant_content(fmt, turn_text)
+    r.messages.append({"role": "assistant", "content": content})
+    r.turns.append(Turn("assistant", content, True, len(r.turn)))
+    r.turn = []
+    if not ended:
+        r.stop = "turn_length" if len(r.ids) < max_episode_tokens else "budget"
+        return None
+    res = env.step(content)
+    if res.reward is not None:
+        r.reward = (r.reward or 0.0) + float(res.reward)
+    r.tool_calls += int(res.info.get("tool_calls", 0))
+    r.tool_errors += int(res.info.get("tool_errors", 0))
+    if res.observation is None:
+        r.stop = "done"
+        return None
+    if r.num_turns == max_turns:
+        r.stop = "max_turns"
+        return None
+    text = observation_text(fmt, before, turn_text, res.observation)
+    delta = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(r.ids) + len(delta) >= max_episode_tokens:  # no room for the observation and a reply
+        r.stop = "budget"
+        return None
+    r.messages.extend(res.observation)
+    r.turns.append(Turn("+".join(m["role"] for m in res.observation), text, False, len(delta)))
+    r.add(delta, False, [0.0] * len(delta))
+    return delta
+
+
+def episode_rollout(
+    records: list[Record], prompt_ids, prompt_mask, group_size: int, pad: int, policy_version: int,
+    with_logprobs: bool = True,
+) -> Rollout:  # fmt: skip
+    """The :class:`Rollout` of finished episodes: each stream right-padded, ``model_mask`` on the
+    model's tokens, the sampler log-probs (None without ``with_logprobs``), the episodes."""
+    B, T = len(records), max(len(r.ids) for r in records)
     ids_BT = torch.full((B, T), pad, dtype=torch.long)
     real_BT = torch.zeros((B, T), dtype=torch.bool)
     model_BT = torch.zeros((B, T), dtype=torch.bool)
     logp_BT = torch.zeros((B, T), dtype=torch.float32)
-    for b, r in enumerate(rec):
+    for b, r in enumerate(records):
         n = len(r.ids)
         ids_BT[b, :n], real_BT[b, :n] = torch.tensor(r.ids), True
         model_BT[b, :n], logp_BT[b, :n] = torch.tensor(r.trained), torch.tensor(r.logp)
-    episodes = [r.episode() for r in rec]
+    episodes = [r.episode() for r in records]
     return Rollout(
         prompt_ids,
         prompt_mask,
@@ -270,15 +303,15 @@ def sample_episodes(
         real_BT,
         torch.tensor([e.stop != "done" for e in episodes]),
         [e.final_text for e in episodes],
-        G,
-        logp_BT,
+        group_size,
+        logp_BT if with_logprobs else None,
         torch.full((B,), policy_version, dtype=torch.long),
         model_BT,
         episodes,
     )
 
 
-class _Record:
+class Record:
     """One episode while it runs."""
 
     def __init__(self, messages: list[dict]) -> None:

@@ -24,6 +24,11 @@ sampler log-probs (:func:`sampler_logprobs_reason` says why). With them, the tra
 ``logprob_mismatch`` metric, ``algo.rollout_correction`` (TIS / sequence-masked IS) and, under
 top-k / top-p, pi_old work on vLLM rollouts as on the built-in sampler's.
 
+Multi-turn episodes (``rollout.env``): :meth:`VLLMEngine.sample_episodes` runs the built-in
+episodes' environments and records (``episodes.start_episodes`` / ``end_turn`` /
+``episode_rollout``), with every model turn one vLLM request whose prompt is the episode's stream so
+far as token ids, so the episode stays token-exact across turns.
+
 LoRA (``model.lora``, or a model directory holding an adapter): vLLM starts from the base model's
 directory and every push carries the base weights with the current adapters merged in
 (``W + scaling * B @ A``, ``models.loading.merged_state_dict``), so vLLM samples the policy the
@@ -46,7 +51,7 @@ from collections.abc import Iterable
 
 import torch
 
-from grpokit.rollout.sampler import Rollout, SamplingParams, encode_prompts, pad_token_id
+from grpokit.rollout.sampler import Rollout, SamplingParams, _hits_stop, encode_prompts, pad_token_id
 
 PROCESSED_LOGPROBS_SINCE = "0.10.2"  # the first vLLM with the logprobs_mode engine argument
 
@@ -200,10 +205,89 @@ class VLLMEngine:
             logps,
             policy_version,
         )
+        self._sleep()
+        return rollout
+
+    def sample_episodes(
+        self,
+        rows: list[dict],
+        make_env,
+        group_size: int,
+        params: SamplingParams,
+        seed: int,
+        *,
+        max_turns: int,
+        max_episode_tokens: int,
+        first_prompt_index: int = 0,
+        policy_version: int = 0,
+        fmt=None,
+    ) -> Rollout:
+        """``group_size`` multi-turn episodes per row, the contract of ``episodes.sample_episodes``:
+        the same environments, turn ends, limits, stream layout and episode records.
+
+        Each model turn of every running episode is one vLLM request whose prompt is the episode's
+        whole stream so far *as ids* (the rendered first messages, then every model and
+        environment token), so nothing the model wrote is decoded and re-encoded; vLLM's prefix
+        cache keeps the shared prefix from being recomputed. A turn ends where the built-in
+        sampler's would: EOS or a stop string (vLLM's ``finish_reason`` "stop"), or
+        ``max_new_tokens`` / the episode's token budget (``max_tokens`` of the request). Episode i
+        of prompt ``first_prompt_index + p`` gets its own vLLM seed per turn from ``seed``."""
+        from vllm import SamplingParams as VSamplingParams
+
+        from grpokit.rollout.episodes import end_turn, episode_rollout, start_episodes
+
+        if group_size < 1 or params.max_new_tokens < 1 or max_turns < 1 or max_episode_tokens < 1:
+            raise ValueError("need group_size, max_new_tokens, max_turns and max_episode_tokens >= 1")
+        G = group_size
+        envs, rec, fmt, prompt_ids, prompt_mask, stops = start_episodes(
+            self.tokenizer, rows, make_env, G, params, fmt
+        )
+        prompts = [ids[m].tolist() for ids, m in zip(prompt_ids, prompt_mask, strict=True)]
+        with_logprobs = self.logprobs_reason(params) is None
+        self._wake()
+        active, turn, eos = list(range(len(rec))), 0, self.tokenizer.eos_token_id
+        while active:
+            requests, per_episode = [], []
+            for b in active:
+                episode = first_prompt_index * G + b  # global: the same on any sharding
+                requests.append({"prompt_token_ids": prompts[b // G] + rec[b].ids})
+                per_episode.append(
+                    VSamplingParams(
+                        n=1,
+                        temperature=params.temperature,
+                        top_p=params.top_p,
+                        top_k=params.top_k if params.top_k > 0 else -1,
+                        max_tokens=min(params.max_new_tokens, max_episode_tokens - len(rec[b].ids)),
+                        stop=list(stops) or None,
+                        include_stop_str_in_output=True,
+                        skip_special_tokens=True,  # stop strings are matched as the built-in sampler does
+                        seed=((seed * 1_000_003 + episode) * 1009 + turn) % (2**31 - 1),
+                        logprobs=0 if with_logprobs else None,
+                    )
+                )
+            outputs = self.llm.generate(requests, per_episode, use_tqdm=False)
+            still = []
+            for b, out in zip(active, outputs, strict=True):
+                (c,) = out.outputs
+                r, ids = rec[b], list(c.token_ids)
+                prompt_index = first_prompt_index + b // G
+                r.add(ids, True, _sampled_logprobs(c, prompt_index) if with_logprobs else [0.0] * len(ids))
+                r.turn = ids
+                # the model ended its turn: EOS or a stop string (vLLM's "stop"; "length": max_tokens)
+                ended = c.finish_reason == "stop" or (bool(ids) and ids[-1] == eos)
+                ended = ended or bool(stops and _hits_stop(self.tokenizer, torch.tensor([ids]), stops)[0])
+                delta = end_turn(r, envs[b], fmt, self.tokenizer, ended, max_turns, max_episode_tokens)
+                if delta is not None:  # the environment answered: the episode goes on
+                    still.append(b)
+            active, turn = still, turn + 1
+        self._sleep()
+        pad = pad_token_id(self.tokenizer)
+        return episode_rollout(rec, prompt_ids, prompt_mask, G, pad, policy_version, with_logprobs)
+
+    def _sleep(self) -> None:
         if self.sleep_between_steps and hasattr(self.llm, "sleep"):
             self.llm.sleep(level=1)
             self.asleep = True
-        return rollout
 
     def _wake(self) -> None:
         if self.asleep:

@@ -440,9 +440,14 @@ class GRPOTrainer:
             self.engine.load_weights(gathered_state_dict(self.model, self.dist).items())
             self._engine_stale = False
         seed = int(torch.randint(2**31 - 1, (1,), generator=self.generator, device=self.device))
-        return self.engine.sample(
-            prompts, G, self.sampling, seed, first_prompt_index=r * P, policy_version=self.step - 1
-        )
+        at = dict(first_prompt_index=r * P, policy_version=self.step - 1)
+        if self.episodes is not None:
+            e = self.episodes
+            return self.engine.sample_episodes(
+                rows, e.make_env, G, self.sampling, seed,
+                max_turns=e.max_turns, max_episode_tokens=e.max_episode_tokens, **at,
+            )  # fmt: skip
+        return self.engine.sample(prompts, G, self.sampling, seed, **at)
 
     def _progress(self) -> TrainerProgress:
         """``trainer_state`` for the rewards: the step, the epoch over a finite dataset, max_steps."""
