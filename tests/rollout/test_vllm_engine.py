@@ -307,3 +307,46 @@ def test_vllm_matches_the_contract_and_is_measured_against_the_builtin_sampler(t
         timings[name] = float(out.completion_mask.sum()) / (time.perf_counter() - t)
     (tmp_path / "vllm_throughput.json").write_text(json.dumps(timings))
     print("completion tokens/s:", timings)
+
+
+@pytest.mark.skipif(not HAS_VLLM_GPU, reason="needs the vllm package and a CUDA GPU (the vllm extra)")
+def test_vllm_episodes_and_lora_pushes_on_a_gpu():
+    # multi-turn calculator episodes on the real engine, then a LoRA model's merged push
+    peft = pytest.importorskip("peft")
+    from grpokit.data.tasks import TaskSource
+    from grpokit.models.loading import resolve_model_path
+    from grpokit.rollout.episodes import episodes_from_config
+    from grpokit.train.batch import TrainBatch, batch_logprobs, plan_micro_batches
+
+    model, tok = load_model("tiny-calculator", device="cuda")
+    engine = VLLMEngine(
+        str(resolve_model_path("tiny-calculator")), tok, dtype="float32", max_new_tokens=40,
+        gpu_memory_utilization=0.2, sleep=False, seed=0,
+    )  # fmt: skip
+    engine.load_weights(model.state_dict().items())
+    cfg = load_config(None, ["model.name_or_path=tiny-calculator", "data.task=calculator"])
+    spec = episodes_from_config(cfg, tok, "calculator")
+    rows = [TaskSource("calculator").row(i) for i in range(8)]
+    params = SamplingParams(max_new_tokens=40, temperature=1.0)
+    r = engine.sample_episodes(rows, spec.make_env, 4, params, 3, max_turns=3, max_episode_tokens=120)
+    assert sum(e.num_tool_calls for e in r.episodes) >= 3
+    batch = TrainBatch.from_rollout(r, torch.zeros(r.num_rows))
+    plan = plan_micro_batches(batch.total_lengths(), 64, None)
+    recomputed = batch_logprobs(model, batch, plan, tok.pad_token_id, 1.0).cpu()
+    m = r.trained_mask
+    assert float((recomputed[m] - r.sampler_logp[m]).abs().mean()) < 1e-3
+
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    engine.load_weights(merged_state_dict(lora).items())
+    prompts = [row["prompt"] for row in rows]
+    theirs = engine.sample(prompts, 2, params, seed=5)
+    tb = TrainBatch.from_rollout(theirs, torch.zeros(theirs.num_rows))
+    plan = plan_micro_batches(tb.total_lengths(), 64, None)
+    adapted = batch_logprobs(lora, tb, plan, tok.pad_token_id, 1.0).cpu()
+    m = theirs.completion_mask
+    assert float((adapted[m] - theirs.sampler_logp[m]).abs().mean()) < 1e-3  # vLLM samples the adapted policy
