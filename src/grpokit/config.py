@@ -114,7 +114,8 @@ class RolloutConfig:
     engine: str = _f(
         "builtin",
         "Generation engine: builtin (KV-cached sampler, any device) | vllm (GPU, needs grpokit[vllm]; "
-        "with LoRA each weight push merges the adapters in).",
+        "runs in model.autocast's dtype when set, else model.dtype; with LoRA each weight push merges "
+        "the adapters in).",
     )
     decode: str = _f(
         "auto",

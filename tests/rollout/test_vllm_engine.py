@@ -16,7 +16,13 @@ import torch
 import grpokit.rollout.vllm_engine as vllm_engine
 from grpokit.config import ConfigError, load_config
 from grpokit.errors import MissingFileError
-from grpokit.models.loading import base_model_path, load_model, lora_merge_reason, merged_state_dict
+from grpokit.models.loading import (
+    base_model_path,
+    load_model,
+    lora_merge_reason,
+    merged_state_dict,
+    resolve_model_path,
+)
 from grpokit.rollout.sampler import SamplingParams, encode_prompts, sample
 from grpokit.rollout.vllm_engine import (
     VLLMEngine,
@@ -228,11 +234,16 @@ def test_lora_runs_are_accepted_and_an_adapter_directory_starts_vllm_from_its_ba
     assert base_model_path(tmp_path / "adapter") == tiny_dir  # vLLM cannot load an adapter directory
     assert base_model_path(tiny_dir) == tiny_dir
     started = []
-    monkeypatch.setattr(vllm_engine, "_start_llm", lambda model_dir, *a: started.append(model_dir))
+    monkeypatch.setattr(
+        vllm_engine, "_start_llm", lambda model_dir, dtype, *a: started.append((model_dir, dtype))
+    )
     adapter_dir = json.dumps(str(tmp_path / "adapter"))
     cfg = load_config(None, ["rollout.engine=vllm", f"model.name_or_path={adapter_dir}"])
     vllm_engine.engine_from_config(cfg, None)
-    assert started == [str(tiny_dir)]
+    # under autocast vLLM computes in the autocast dtype, as the policy does
+    mixed = load_config(None, ["rollout.engine=vllm", "model.autocast=bfloat16"])
+    vllm_engine.engine_from_config(mixed, None)
+    assert started == [(str(tiny_dir), "float32"), (str(resolve_model_path("tiny")), "bfloat16")]
     (tmp_path / "orphan").mkdir()
     (tmp_path / "orphan" / "adapter_config.json").write_text("{}")
     with pytest.raises(MissingFileError, match="names no base_model_name_or_path"):

@@ -11,6 +11,10 @@ passed as token ids, completions are decoded by grpokit's tokenizer, so prompts,
 (kept in the text, as the built-in sampler keeps them), EOS handling and the
 ``completion_mask`` / ``truncated`` layout match the built-in sampler's exactly.
 
+vLLM runs in ``model.autocast``'s dtype when it is set (the dtype the policy computes in, float32
+weights or not), else in ``model.dtype``; its bfloat16 kernels then differ from the trainer's
+recomputation, which ``logprob_mismatch`` shows and ``algo.rollout_correction`` corrects for.
+
 Each step's seed comes from the trainer's generator and every prompt gets its own vLLM seed
 derived from it and its global index, so a run is reproducible to the extent vLLM's kernels are.
 
@@ -416,7 +420,9 @@ def engine_from_config(cfg, tokenizer) -> VLLMEngine | None:
     return VLLMEngine(  # an adapter directory's base: vLLM starts from it, the push merges the adapter
         str(base_model_path(resolve_model_path(cfg.model.name_or_path, cfg.model.gguf_file))),
         tokenizer,
-        dtype=cfg.model.dtype,
+        # under model.autocast the policy computes in that dtype, and so does vLLM: a float32 vLLM
+        # would take twice the GPU memory (and time) for a policy that samples in bfloat16
+        dtype=cfg.model.autocast or cfg.model.dtype,
         max_new_tokens=r.max_new_tokens,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         sleep=r.vllm_sleep,
