@@ -364,3 +364,61 @@ def test_a_hook_on_the_head_is_honoured():
         finally:
             handle.remove()
     assert bool((hooked.argmax(-1) == 5).all()) and hooked.data_ptr() != own._logits_buf.data_ptr()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunks_of_pending_tokens_give_the_hf_logits_and_the_cache_grows(family):
+    # multi-turn episodes feed each row a chunk (its sampled token, then an observation), right-
+    # padded; the padding takes cache slots the capacity did not count, so the own cache must grow
+    model, tok = build(family)
+    ids, mask = encode_prompts(tok, PROMPTS)
+    b, most_real = len(PROMPTS) * 2, 1 + 4 + 1 + 1  # the most real tokens a row gets (row 0)
+    chunks = [  # (width, real tokens per row), fed in turn; a select of rows between the 2nd and 3rd
+        (1, [1] * b), (4, [4, 1, 2, 1, 1, 4, 1, 1]), (1, [1] * b), (3, [1, 3, 1, 3, 1, 1]),
+    ]  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        own, hf = OwnDecoder(model), HFDecoder(model)
+        capacity = ids.shape[1] + most_real  # every position, not the padding's slots (1 + 4 + 1 + 3)
+        own_logits, own_state = own.prefill(ids, mask, 2, capacity)
+        hf_logits, hf_state = hf.prefill(ids, mask, 2, capacity)
+        slots = own_state.key_bias.shape[1]
+        for n, (w, real) in enumerate(chunks):
+            if n == 3:  # two rows leave the batch
+                keep = torch.tensor([0, 2, 3, 4, 6, 7])
+                own.select(own_state, keep)
+                hf.select(hf_state, keep)
+                own_logits, hf_logits = own_logits[keep], hf_logits[keep]
+            torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=2e-5)
+            first = own_logits.argmax(-1)  # each row's sampled token, then random observation ids
+            chunk = torch.randint(3, len(tok), (len(real), w), generator=gen)
+            chunk[:, 0] = first
+            real_bw = torch.arange(w)[None] < torch.tensor(real)[:, None]
+            chunk[~real_bw] = tok.pad_token_id
+            own_logits, hf_logits = own.feed(chunk, real_bw, own_state), hf.feed(chunk, real_bw, hf_state)
+        torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=2e-5)
+        assert own_state.key_bias.shape[1] > slots  # the padding outgrew the capacity given up front
+        assert int(own_state.positions.max()) <= capacity  # the rotary table's rows suffice
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "lora"])
+def test_episodes_sample_the_hf_tokens_on_the_own_path(family):
+    from grpokit.rollout.episodes import sample_episodes
+    from tests.rollout.test_episodes import ROWS, Echo
+
+    model, tok = lora_model("qwen2") if family == "lora" else build(family)
+    assert own_decoder_reason(model, 200) is None
+
+    def episodes(mode: str):
+        params = SamplingParams(max_new_tokens=10, temperature=1.0, decode=mode)
+        generator = torch.Generator().manual_seed(3)
+        return sample_episodes(
+            model, tok, ROWS, Echo, 4, params, generator, max_turns=3, max_episode_tokens=60
+        )
+
+    runs = {mode: episodes(mode) for mode in ("auto", "hf")}
+    auto, hf = runs["auto"], runs["hf"]
+    assert torch.equal(auto.completion_ids, hf.completion_ids) and torch.equal(auto.model_mask, hf.model_mask)
+    torch.testing.assert_close(auto.sampler_logp, hf.sampler_logp, rtol=0, atol=2e-5)
+    assert [e.as_dict() for e in auto.episodes] == [e.as_dict() for e in hf.episodes]
+    assert any(e.num_turns > 1 for e in auto.episodes)  # observations were fed as chunks

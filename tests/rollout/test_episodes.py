@@ -10,6 +10,7 @@ import torch
 
 from grpokit.envs import Environment, StepResult
 from grpokit.envs.render import PlainFormat, TemplateFormat
+from grpokit.rollout.decode import OwnDecoder
 from grpokit.rollout.episodes import sample_episodes
 from grpokit.rollout.sampler import SamplingParams
 from tests.envs.chatml import chatml_tokenizer, nudged_model
@@ -39,9 +40,10 @@ def chatml():
     return nudged_model(tok, {"<|im_end|>": 4.0, "q": 3.0}), tok
 
 
-def episodes(model, tok, rows=ROWS, G=4, seed=0, max_turns=3, budget=200, max_new=12, **kw):
+def episodes(model, tok, rows=ROWS, G=4, seed=0, max_turns=3, budget=200, max_new=12, decode="auto", **kw):
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, decode=decode)
     return sample_episodes(
-        model, tok, rows, Echo, G, SamplingParams(max_new_tokens=max_new, temperature=1.0),
+        model, tok, rows, Echo, G, params,
         torch.Generator().manual_seed(seed), max_turns=max_turns, max_episode_tokens=budget, **kw,
     )  # fmt: skip
 
@@ -119,16 +121,25 @@ def test_environment_tokens_are_masked_and_model_tokens_carry_the_sampler_logpro
     assert r.trained_mask.sum() < r.completion_mask.sum()  # there were environment tokens
 
 
-def test_the_cache_is_kept_across_turns(chatml):
+@pytest.mark.parametrize("decode", ["auto", "hf"])
+def test_the_cache_is_kept_across_turns(chatml, monkeypatch, decode):
     """After the prompt pass, no forward re-runs a prefix: each feeds one sampled token, plus an
-    observation's tokens for rows whose environment just answered."""
+    observation's tokens for rows whose environment just answered; on grpokit's own decode path
+    (auto) and on the HF forward."""
     model, tok = chatml
     widths = []
+    own_forward = OwnDecoder._forward
+
+    def recording(self, ids, *args, **kw):
+        widths.append(ids.shape[1])
+        return own_forward(self, ids, *args, **kw)
+
+    monkeypatch.setattr(OwnDecoder, "_forward", recording)
     hook = model.register_forward_pre_hook(
         lambda m, args, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True
     )
     try:
-        r = episodes(model, tok)
+        r = episodes(model, tok, decode=decode)
     finally:
         hook.remove()
     longest_observation = max(t.num_tokens for e in r.episodes for t in e.turns if not t.trained)

@@ -18,8 +18,12 @@ architecture, DoRA and other LoRA variants, merged or several adapters, sharded 
 windows the sequence outgrows.
 :func:`decoder_for` picks one; :func:`own_decoder_reason` says why a model cannot use its own path.
 
+Multi-turn episodes (``rollout.episodes``) use the same decoders: :meth:`OwnDecoder.feed` runs each
+row's chunk of pending tokens (its sampled token and an environment's observation), right-padded,
+the padding's cache slots masked for good; the cache grows (doubling) when padding outruns it.
+
 What it deliberately does not do: training forwards (the trainer uses the HF model, with autograd),
-multi-turn episodes (``rollout.episodes`` keeps HF's cache across turns), or ``torch.compile``
+or ``torch.compile``
 (its one-token step measured slower on a 2-core CPU for the tiny model and SmolLM2, by 16-26% on
 SmolLM2, after minutes of compiling, and it changes bfloat16 tokens: ``bench_rollout.py --compile``,
 docs/benchmarks.md).
@@ -222,6 +226,48 @@ class OwnDecoder:
         state.length, state.positions = length, state.positions + 1
         return self._logits(hidden_b1d[:, -1])
 
+    def feed(self, ids_bw: torch.Tensor, real_bw: torch.Tensor, state: KVState) -> torch.Tensor:
+        """Feed each row a chunk of tokens (multi-turn episodes: the sampled token, then an
+        observation), right-padded to the longest (``real_bw`` False at padding); return the logits
+        at each row's last real token [b, V]. Padding takes cache slots whose keys stay masked for
+        every later query, and no positions: a row's positions count its real tokens only."""
+        b, w = ids_bw.shape
+        start = state.length
+        self._reserve(state, start + w)
+        if w == 1:
+            return self.step(ids_bw[:, 0], state)
+        length = start + w
+        state.key_bias[:, start:length].masked_fill_(~real_bw, float("-inf"))  # slots past length are 0
+        slots_S = torch.arange(length, device=ids_bw.device)
+        future_wS = slots_S[None] > start + torch.arange(w, device=ids_bw.device)[:, None]
+        # a padding query sees the real keys before the chunk, so no softmax row is empty (NaN)
+        attend_b1wS = state.key_bias[:, None, None, :length].masked_fill(future_wS, float("-inf"))
+        positions_bw = state.positions[:, None] + (real_bw.long().cumsum(dim=1) - 1).clamp(min=0)
+        hidden_bwd = self._forward(ids_bw, positions_bw, attend_b1wS, state.keys, state.values, start)
+        n_b = real_bw.sum(dim=1)
+        state.length, state.positions = length, state.positions + n_b
+        return self._logits(hidden_bwd[torch.arange(b, device=ids_bw.device), n_b - 1])
+
+    @staticmethod
+    def _reserve(state: KVState, slots: int) -> None:
+        """Grow the cache to hold ``slots`` positions (doubling, copied once) when it is too small:
+        the padding inside episodes' chunks takes slots no capacity given up front can foresee."""
+        capacity = state.key_bias.shape[1]
+        if slots <= capacity:
+            return
+        grown = max(slots, 2 * capacity)
+
+        def wider(t: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[dim] = grown
+            out = t.new_zeros(shape)
+            out.narrow(dim, 0, state.length).copy_(t.narrow(dim, 0, state.length))
+            return out
+
+        state.keys = [wider(k, 2) for k in state.keys]
+        state.values = [wider(v, 2) for v in state.values]
+        state.key_bias = wider(state.key_bias, 1)
+
     def select(self, state: KVState, keep_b: torch.Tensor) -> None:
         """Keep only rows ``keep_b`` (indices) in the batch."""
         state.keys = [k.index_select(0, keep_b) for k in state.keys]
@@ -284,9 +330,11 @@ class OwnDecoder:
                 keys[i][:, :, start : start + Q] = k
                 values[i][:, :, start : start + Q] = v
                 k_all, v_all = keys[i][:, :, : start + Q], values[i][:, :, : start + Q]
-                # one token per row: the G = H / K query heads of a kv head are one [G, D] query block
-                q = q.reshape(b, K, H // K, D)
-                out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attend)
+                if Q == 1:  # one token per row: the G = H / K query heads of a kv head are one query block
+                    q = q.reshape(b, K, H // K, D)
+                    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attend)
+                else:  # a chunk (:meth:`feed`)
+                    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attend, enable_gqa=H != K)
             x = x + _linear(layer.o, out.reshape(b, H, Q, D).transpose(1, 2).reshape(b, Q, H * D))
             h = _rms_norm(x, layer.post_norm, self.eps)
             if len(layer.gate_up) == 1:
@@ -404,6 +452,22 @@ class HFDecoder:
         logits_bV, state[0] = _step(self.model, ids_b[:, None], attn_bS, pos_b1, cache)
         state[1] = attn_bS
         return logits_bV
+
+    def feed(self, ids_bw: torch.Tensor, real_bw: torch.Tensor, state: list) -> torch.Tensor:
+        """:meth:`OwnDecoder.feed` on the HF forward: the chunk's padding masked in the attention
+        mask, which the cache keeps for every later step."""
+        from grpokit.models.loading import accepts_kwarg
+
+        b, w = ids_bw.shape
+        if w == 1:
+            return self.step(ids_bw[:, 0], state)
+        cache, attn_bS = state
+        pos_bw = attn_bS.sum(dim=1, keepdim=True) + torch.arange(w, device=ids_bw.device)[None]
+        attn_bS = torch.cat([attn_bS, real_bw.long()], dim=1)
+        kw = {"cache" if accepts_kwarg(self.model, "cache") else "past_key_values": cache}
+        out = self.model(input_ids=ids_bw, attention_mask=attn_bS, position_ids=pos_bw, use_cache=True, **kw)
+        state[0], state[1] = (out.cache if "cache" in out else out.past_key_values), attn_bS
+        return out.logits[torch.arange(b, device=ids_bw.device), real_bw.sum(dim=1) - 1]
 
     def select(self, state: list, keep_b: torch.Tensor) -> None:
         state[0].batch_select_indices(keep_b)

@@ -40,16 +40,14 @@ import torch
 
 from grpokit.envs.base import Environment, make_env_factory
 from grpokit.envs.render import assistant_content, conversation_format, observation_text
-from grpokit.models.loading import accepts_kwarg
+from grpokit.rollout.decode import decoder_for
 from grpokit.rollout.sampler import (
     Rollout,
     SamplingParams,
     _hits_stop,
     _sample_next,
-    _step,
     encode_prompts,
     pad_token_id,
-    prompt_pass,
     sample,
     sampling_mode,
     uniforms,
@@ -190,37 +188,42 @@ def sample_episodes(
     # nothing made inside leaves it but Python lists (the environments' own steps run outside it)
     with sampling_mode(model):
         u_KB = uniforms(max_episode_tokens, total, row_offset, B, params.temperature, generator, device)
-        logits_bV, cache, attn_bL = prompt_pass(model, prompt_ids, prompt_mask, G, device)
+        capacity = prompt_ids.shape[1] + max_episode_tokens  # positions; padding may take more slots
+        decoder = decoder_for(model, params.decode, capacity)
+        logits_bV, state = decoder.prefill(prompt_ids.to(device), prompt_mask.to(device), G, capacity)
 
         active = list(range(B))  # rows still running, in the cache's batch order
         while active:
             u_b = u_KB[[rec[b].num_model for b in active], active]
             next_b, logp_b = _sample_next(logits_bV, params, u_b)
+            tokens, logps = next_b.tolist(), logp_b.tolist()
+            for b, token, logp in zip(active, tokens, logps, strict=True):
+                rec[b].add([token], True, [logp])
+                rec[b].turn.append(token)
+            ended = [token == eos for token in tokens]
+            if stops:  # one batched decode of the running turns per step
+                check = [j for j, done in enumerate(ended) if not done]
+                hits = _hits_stop(tokenizer, [rec[active[j]].turn for j in check], stops).tolist()
+                for j, hit in zip(check, hits, strict=True):
+                    ended[j] = hit
             feeds, keep = [], []
             for j, b in enumerate(active):
-                token, r = int(next_b[j]), rec[b]
-                r.add([token], True, [float(logp_b[j])])
-                r.turn.append(token)
-                ended = token == eos or (
-                    bool(stops) and bool(_hits_stop(tokenizer, torch.tensor([r.turn]), stops)[0])
-                )
-                if not ended and len(r.turn) < params.max_new_tokens and len(r.ids) < max_episode_tokens:
+                r, token = rec[b], tokens[j]
+                if not ended[j] and len(r.turn) < params.max_new_tokens and len(r.ids) < max_episode_tokens:
                     feeds.append([token])
                     keep.append(j)
                     continue
                 with torch.inference_mode(False):  # the user's environment: ordinary tensors
-                    delta = end_turn(r, envs[b], fmt, tokenizer, ended, max_turns, max_episode_tokens)
+                    delta = end_turn(r, envs[b], fmt, tokenizer, ended[j], max_turns, max_episode_tokens)
                 if delta is not None:
                     feeds.append([token, *delta])
                     keep.append(j)
             if not keep:
                 break
             if len(keep) < len(active):  # drop finished rows from the batch and the cache
-                keep_t = torch.tensor(keep, device=device)
-                cache.batch_select_indices(keep_t)
-                attn_bL = attn_bL[keep_t]
+                decoder.select(state, torch.tensor(keep, device=device))
                 active = [active[j] for j in keep]
-            logits_bV, cache, attn_bL = _feed(model, feeds, attn_bL, cache, pad, device)
+            logits_bV = decoder.feed(*_chunks(feeds, pad, device), state)
 
     return episode_rollout(rec, prompt_ids, prompt_mask, G, pad, policy_version)
 
@@ -338,23 +341,11 @@ class Record:
         return Episode(self.messages, self.turns, self.reward, self.tool_calls, self.tool_errors, self.stop)
 
 
-def _feed(model, feeds: list[list[int]], attn_bL: torch.Tensor, cache, pad: int, device):
-    """Run each row's pending tokens (its sampled token, then any observation) through the model in
-    one forward: chunks right-padded to the longest, the padding masked. Returns the logits at each
-    row's last real token [b, V], the cache and the grown attention mask."""
-    w = max(len(f) for f in feeds)
-    ids_bw = torch.full((len(feeds), w), pad, dtype=torch.long)
-    real_bw = torch.zeros((len(feeds), w), dtype=torch.long)
-    for j, f in enumerate(feeds):
-        ids_bw[j, : len(f)], real_bw[j, : len(f)] = torch.tensor(f), 1
-    ids_bw, real_bw = ids_bw.to(device), real_bw.to(device)
-    pos_bw = attn_bL.sum(dim=1, keepdim=True) + torch.arange(w, device=device)[None]
-    attn_bL = torch.cat([attn_bL, real_bw], dim=1)
-    if w == 1:
-        logits_bV, cache = _step(model, ids_bw, attn_bL, pos_bw, cache)
-        return logits_bV, cache, attn_bL
-    kw = {"cache" if accepts_kwarg(model, "cache") else "past_key_values": cache}
-    out = model(input_ids=ids_bw, attention_mask=attn_bL, position_ids=pos_bw, use_cache=True, **kw)
-    last_b = real_bw.sum(dim=1) - 1
-    logits_bV = out.logits[torch.arange(len(feeds), device=device), last_b]
-    return logits_bV, (out.cache if "cache" in out else out.past_key_values), attn_bL
+def _chunks(feeds: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's pending tokens (its sampled token, then any observation) right-padded to the
+    longest: the ids [b, w] and which of them are real [b, w]."""
+    lengths = [len(f) for f in feeds]
+    w = max(lengths)
+    ids_bw = torch.tensor([f + [pad] * (w - len(f)) for f in feeds] if w > 1 else feeds, device=device)
+    real_bw = torch.arange(w, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
+    return ids_bw, real_bw

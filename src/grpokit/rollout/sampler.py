@@ -384,8 +384,10 @@ def sampling_mode(model):
                     module._buffers[name] = buf.clone()
 
 
-def _hits_stop(tokenizer, ids_bt: torch.Tensor, stop: tuple[str, ...]) -> torch.Tensor:
-    texts = tokenizer.batch_decode(ids_bt.tolist(), skip_special_tokens=True)
+def _hits_stop(tokenizer, ids_bt: torch.Tensor | list[list[int]], stop: tuple[str, ...]) -> torch.Tensor:
+    """[b] bool: does each row's text (special tokens skipped) contain one of the ``stop`` strings?"""
+    ids = ids_bt.tolist() if isinstance(ids_bt, torch.Tensor) else ids_bt
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True) if ids else []
     return torch.tensor([any(s in text for s in stop) for text in texts], dtype=torch.bool)
 
 

@@ -279,7 +279,7 @@ class VLLMEngine:
                 r.turn = ids
                 # the model ended its turn: EOS or a stop string (vLLM's "stop"; "length": max_tokens)
                 ended = c.finish_reason == "stop" or (bool(ids) and ids[-1] == eos)
-                ended = ended or bool(stops and _hits_stop(self.tokenizer, torch.tensor([ids]), stops)[0])
+                ended = ended or bool(stops and _hits_stop(self.tokenizer, [ids], stops)[0])
                 delta = end_turn(r, envs[b], fmt, self.tokenizer, ended, max_turns, max_episode_tokens)
                 if delta is not None:  # the environment answered: the episode goes on
                     still.append(b)
