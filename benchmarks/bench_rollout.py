@@ -21,6 +21,13 @@ grpokit's side; HF `generate` under the same autocast).
 two-level inverse-CDF draw, the full-width float64 scan it replaced, and `torch.multinomial`
 (what `generate` uses), 20 repetitions each, interleaved.
 
+`--episodes` times multi-turn episodes instead (`rollout.episodes.sample_episodes`): the calculator
+task's episodes on the shipped tiny-calculator model (16 problems x G = 8, up to 3 model turns of
+40 tokens, 120 tokens per episode, temperature 1, the calculator tool in worker processes), on
+grpokit's own decode path and on the HF forward (`rollout.decode: hf`), interleaved; the model's
+tokens per second (environment tokens not counted), median (min-max) of `--reps` after one warm-up
+(which starts the tool's worker processes). `generate` has no multi-turn counterpart.
+
 `--compile` measures whether `torch.compile` of the own decode path's one-token step would pay:
 after one prompt pass, greedy one-token steps run eagerly and through `torch.compile(dynamic=True)`
 of the same forward (the cache length grows by one per step, so its shapes are dynamic), `--reps`
@@ -224,9 +231,46 @@ def compile_cost(model, tok, prompts, G: int, n: int, reps: int, precision: str)
     print(f"  greedy tokens identical: {identical} ({same:.0%} equal)", flush=True)
 
 
+def episodes(reps: int) -> None:
+    from dataclasses import replace
+
+    from grpokit.config import load_config
+    from grpokit.data.tasks import TaskSource
+    from grpokit.rollout.episodes import episodes_from_config, sample_episodes
+
+    model, tok = load_model("tiny-calculator")
+    spec = episodes_from_config(
+        load_config(None, ["model.name_or_path=tiny-calculator", "data.task=calculator"]), tok, "calculator"
+    )
+    rows = [TaskSource("calculator").row(i) for i in range(16)]
+    params = SamplingParams(max_new_tokens=40, temperature=1.0)
+    rates: dict[str, list[float]] = {"auto": [], "hf": []}
+    turns, calls = [], []
+    for rep in range(reps + 1):
+        for decode in rates:
+            t = time.perf_counter()
+            r = sample_episodes(
+                model, tok, rows, spec.make_env, 8, replace(params, decode=decode),
+                torch.Generator().manual_seed(rep), max_turns=3, max_episode_tokens=120,
+            )  # fmt: skip
+            seconds = time.perf_counter() - t
+            if rep:  # the first round starts the tool's worker processes
+                rates[decode].append(int(r.trained_mask.sum()) / seconds)
+                turns.append(sum(e.num_turns for e in r.episodes) / r.num_rows)
+                calls.append(sum(e.num_tool_calls for e in r.episodes) / r.num_rows)
+    print(f"calculator episodes, 16 problems x G = 8, torch threads {torch.get_num_threads()}")
+    print(f"model turns per episode {statistics.mean(turns):.2f}, tool calls {statistics.mean(calls):.2f}\n")
+    print("| path | model tokens/s, median (min-max) |\n|---|---:|")
+    for decode, r in rates.items():
+        name = "own" if decode == "auto" else "HF forward"
+        print(f"| {name} | {statistics.median(r):.0f} ({min(r):.0f}-{max(r):.0f}) |")
+    print(f"\nown / HF forward: {statistics.median(rates['auto']) / statistics.median(rates['hf']):.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draw", action="store_true")
+    ap.add_argument("--episodes", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
@@ -234,6 +278,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.draw:
         draw_cost()
+        return
+    if a.episodes:
+        episodes(a.reps)
         return
     if a.model == "smollm2":
         smollm2(a.reps, a.compile)
