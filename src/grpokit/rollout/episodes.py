@@ -175,15 +175,15 @@ def sample_episodes(
     """``group_size`` episodes for each row; ``Rollout.completions`` holds each episode's final
     model message and ``Rollout.episodes`` the turns. ``fmt``: the conversation format (default:
     the tokenizer's chat template, else ``PlainFormat``). Other arguments as ``sampler.sample``."""
-    if group_size < 1 or params.max_new_tokens < 1 or max_turns < 1 or max_episode_tokens < 1:
-        raise ValueError("need group_size, max_new_tokens, max_turns and max_episode_tokens >= 1")
     device = next(model.parameters()).device
     P, G = len(rows), group_size
     B = P * G
     total = B if num_rows_total is None else num_rows_total
     if not 0 <= row_offset <= total - B:
         raise ValueError(f"rows [{row_offset}, {row_offset + B}) do not fit a batch of {total} rows")
-    envs, rec, fmt, prompt_ids, prompt_mask, stops = start_episodes(tokenizer, rows, make_env, G, params, fmt)
+    envs, rec, fmt, prompt_ids, prompt_mask, stops = start_episodes(
+        tokenizer, rows, make_env, G, params, max_turns, max_episode_tokens, fmt
+    )
     eos, pad = tokenizer.eos_token_id, pad_token_id(tokenizer)
     # nothing made inside leaves it but Python lists (the environments' own steps run outside it)
     with sampling_mode(model):
@@ -228,11 +228,17 @@ def sample_episodes(
     return episode_rollout(rec, prompt_ids, prompt_mask, G, pad, policy_version)
 
 
-def start_episodes(tokenizer, rows: list[dict], make_env, group_size: int, params: SamplingParams, fmt=None):
+def start_episodes(
+    tokenizer, rows: list[dict], make_env, group_size: int, params: SamplingParams,
+    max_turns: int, max_episode_tokens: int, fmt=None,
+):  # fmt: skip
     """A fresh environment and :class:`Record` per episode (``group_size`` per row, group after
-    group), reset on its row; returns ``(envs, records, fmt, prompt_ids, prompt_mask, stops)``:
-    the conversation format, each row's rendered first messages encoded once (left-padded), and
-    the strings that end a model turn (``params.stop``, then the environment's)."""
+    group), reset on its row, once the limits are checked; returns ``(envs, records, fmt,
+    prompt_ids, prompt_mask, stops)``: the conversation format, each row's rendered first messages
+    encoded once (left-padded), and the strings that end a model turn (``params.stop``, then the
+    environment's)."""
+    if group_size < 1 or params.max_new_tokens < 1 or max_turns < 1 or max_episode_tokens < 1:
+        raise ValueError("need group_size, max_new_tokens, max_turns and max_episode_tokens >= 1")
     G = group_size
     envs = [make_env() for _ in range(len(rows) * G)]
     first = [env.reset(rows[b // G]) for b, env in enumerate(envs)]

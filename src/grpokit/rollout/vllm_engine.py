@@ -168,8 +168,6 @@ class VLLMEngine:
         ``policy_version`` is recorded per row (the trainer passes the step its weights are from).
         The sampled tokens' log-probs are recorded where :meth:`logprobs_reason` allows.
         """
-        from vllm import SamplingParams as VSamplingParams
-
         with_logprobs = self.logprobs_reason(params) is None
         self._wake()
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)
@@ -177,17 +175,13 @@ class VLLMEngine:
             {"prompt_token_ids": ids[m].tolist()} for ids, m in zip(prompt_ids, prompt_mask, strict=True)
         ]
         per_prompt = [
-            VSamplingParams(
-                n=group_size,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k if params.top_k > 0 else -1,
-                max_tokens=params.max_new_tokens,
-                stop=list(params.stop) or None,
-                include_stop_str_in_output=True,
-                skip_special_tokens=True,
-                seed=(seed * 1_000_003 + first_prompt_index + i) % (2**31 - 1),
-                logprobs=0 if with_logprobs else None,  # 0: the sampled token's only
+            _request_params(
+                params,
+                group_size,
+                params.max_new_tokens,
+                params.stop,
+                (seed * 1_000_003 + first_prompt_index + i) % (2**31 - 1),
+                with_logprobs,
             )
             for i in range(len(prompts))
         ]
@@ -236,15 +230,11 @@ class VLLMEngine:
         sampler's would: EOS or a stop string (vLLM's ``finish_reason`` "stop"), or
         ``max_new_tokens`` / the episode's token budget (``max_tokens`` of the request). Episode i
         of prompt ``first_prompt_index + p`` gets its own vLLM seed per turn from ``seed``."""
-        from vllm import SamplingParams as VSamplingParams
-
         from grpokit.rollout.episodes import end_turn, episode_rollout, start_episodes
 
-        if group_size < 1 or params.max_new_tokens < 1 or max_turns < 1 or max_episode_tokens < 1:
-            raise ValueError("need group_size, max_new_tokens, max_turns and max_episode_tokens >= 1")
         G = group_size
         envs, rec, fmt, prompt_ids, prompt_mask, stops = start_episodes(
-            self.tokenizer, rows, make_env, G, params, fmt
+            self.tokenizer, rows, make_env, G, params, max_turns, max_episode_tokens, fmt
         )
         prompts = [ids[m].tolist() for ids, m in zip(prompt_ids, prompt_mask, strict=True)]
         with_logprobs = self.logprobs_reason(params) is None
@@ -256,17 +246,13 @@ class VLLMEngine:
                 episode = first_prompt_index * G + b  # global: the same on any sharding
                 requests.append({"prompt_token_ids": prompts[b // G] + rec[b].ids})
                 per_episode.append(
-                    VSamplingParams(
-                        n=1,
-                        temperature=params.temperature,
-                        top_p=params.top_p,
-                        top_k=params.top_k if params.top_k > 0 else -1,
-                        max_tokens=min(params.max_new_tokens, max_episode_tokens - len(rec[b].ids)),
-                        stop=list(stops) or None,
-                        include_stop_str_in_output=True,
-                        skip_special_tokens=True,  # stop strings are matched as the built-in sampler does
-                        seed=((seed * 1_000_003 + episode) * 1009 + turn) % (2**31 - 1),
-                        logprobs=0 if with_logprobs else None,
+                    _request_params(
+                        params,
+                        1,
+                        min(params.max_new_tokens, max_episode_tokens - len(rec[b].ids)),
+                        stops,
+                        ((seed * 1_000_003 + episode) * 1009 + turn) % (2**31 - 1),
+                        with_logprobs,
                     )
                 )
             outputs = self.llm.generate(requests, per_episode, use_tqdm=False)
@@ -297,6 +283,27 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+def _request_params(params: SamplingParams, n: int, max_tokens: int, stop, seed: int, with_logprobs: bool):
+    """vLLM's ``SamplingParams`` for one request: ``params``' temperature and top-k / top-p, ``n``
+    samples of at most ``max_tokens`` ending at ``stop`` (kept in the output, matched on the text
+    with special tokens skipped, as the built-in sampler does), and with ``with_logprobs`` each
+    sampled token's log-prob (``logprobs=0``: the sampled token's only)."""
+    from vllm import SamplingParams as VSamplingParams
+
+    return VSamplingParams(
+        n=n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1,
+        max_tokens=max_tokens,
+        stop=list(stop) or None,
+        include_stop_str_in_output=True,
+        skip_special_tokens=True,
+        seed=seed,
+        logprobs=0 if with_logprobs else None,
+    )
 
 
 def rollout_from_token_lists(
