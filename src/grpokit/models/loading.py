@@ -218,14 +218,20 @@ def lora_merge_reason(model) -> str | None:
             kind = type(module).__name__ + (" (merged)" if module.merged else "")
             return f"{name} is a {kind}, not an unmerged LoRA Linear"
         for adapter in _active_adapters(module):
-            if (
-                adapter in getattr(module, "lora_variant", {})
-                or module.use_dora.get(adapter)
-                or module.lora_B[adapter].bias is not None
-            ):
+            if not vanilla_lora(module, adapter):
                 why = "DoRA or another variant, a LoRA bias"
                 return f"{name}'s adapter {adapter!r} is not vanilla LoRA ({why})"
     return None
+
+
+def vanilla_lora(layer, adapter: str) -> bool:
+    """Whether peft LoRA layer ``layer``'s ``adapter`` is plain ``s * B A`` LoRA: no DoRA or other
+    variant, no LoRA bias."""
+    return not (
+        adapter in getattr(layer, "lora_variant", {})
+        or layer.use_dora.get(adapter)
+        or layer.lora_B[adapter].bias is not None
+    )
 
 
 def merged_state_dict(model) -> dict[str, torch.Tensor]:

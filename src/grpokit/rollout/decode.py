@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpokit.models.loading import hf_model, sliding_window
+from grpokit.models.loading import accepts_kwarg, hf_model, sliding_window, vanilla_lora
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -92,10 +92,8 @@ def _lora_reason(layer) -> str | None:
     name = active[0]
     dropout = layer.lora_dropout[name]
     if (
-        name in getattr(layer, "lora_variant", {})
-        or layer.use_dora.get(name)
+        not vanilla_lora(layer, name)
         or layer.fan_in_fan_out
-        or layer.lora_B[name].bias is not None
         or not (isinstance(dropout, torch.nn.Identity) or getattr(dropout, "p", None) == 0)
     ):
         return "its LoRA adapters are not vanilla LoRA (DoRA or another variant, a LoRA bias, dropout)"
@@ -456,8 +454,6 @@ class HFDecoder:
     def feed(self, ids_bw: torch.Tensor, real_bw: torch.Tensor, state: list) -> torch.Tensor:
         """:meth:`OwnDecoder.feed` on the HF forward: the chunk's padding masked in the attention
         mask, which the cache keeps for every later step."""
-        from grpokit.models.loading import accepts_kwarg
-
         b, w = ids_bw.shape
         if w == 1:
             return self.step(ids_bw[:, 0], state)
