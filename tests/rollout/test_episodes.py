@@ -13,7 +13,7 @@ from grpokit.envs.render import PlainFormat, TemplateFormat
 from grpokit.rollout.decode import OwnDecoder
 from grpokit.rollout.episodes import sample_episodes
 from grpokit.rollout.sampler import SamplingParams
-from tests.envs.chatml import chatml_tokenizer, nudged_model
+from tests.envs.chatml import nudged_model
 
 ROWS = [{"prompt": "12*34="}, {"prompt": "hello there"}, {"prompt": "7"}]
 
@@ -32,12 +32,6 @@ class Echo(Environment):
     def step(self, completion: str) -> StepResult:
         self.n += 1
         return StepResult([{"role": "tool", "content": f"r{self.n} {len(completion)}"}], reward=0.5)
-
-
-@pytest.fixture(scope="module")
-def chatml():
-    tok = chatml_tokenizer()
-    return nudged_model(tok, {"<|im_end|>": 4.0, "q": 3.0}), tok
 
 
 def episodes(model, tok, rows=ROWS, G=4, seed=0, max_turns=3, budget=200, max_new=12, decode="auto", **kw):

@@ -10,26 +10,8 @@ import torch
 
 from grpokit.rollout.episodes import sample_episodes
 from grpokit.rollout.sampler import SamplingParams
-from grpokit.rollout.vllm_engine import VLLMEngine
-from tests.envs.chatml import chatml_tokenizer, nudged_model
-from tests.rollout.fake_vllm import FakeLLM, install_fake_vllm_module
 from tests.rollout.test_episodes import ROWS, Echo, stream_ids
-
-
-@pytest.fixture(scope="module")
-def chatml():
-    tok = chatml_tokenizer()
-    return nudged_model(tok, {"<|im_end|>": 4.0, "q": 3.0}), tok
-
-
-def engine_over(model, tok, monkeypatch, **fake) -> VLLMEngine:
-    install_fake_vllm_module(monkeypatch)
-    engine = VLLMEngine(
-        "unused", tok, dtype="float32", max_new_tokens=12, gpu_memory_utilization=0.1, sleep=False,
-        seed=0, llm=FakeLLM(model, tok, **fake), processed_logprobs=True,
-    )  # fmt: skip
-    engine.load_weights(model.state_dict().items())
-    return engine
+from tests.rollout.test_vllm_engine import engine_over
 
 
 def on_engine(engine, rows=ROWS, G=4, seed=3, temperature=1.0, max_turns=3, budget=200, max_new=12, **kw):
