@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from typing import NoReturn
 
 import grpokit
 from grpokit.config import BUILTIN_CONFIGS, load_config
@@ -382,6 +383,18 @@ def main(argv: list[str] | None = None) -> int:
         kind = "configuration error: " if isinstance(e, ConfigError) else ""
         print(f"grpokit {args.command}: {kind}{e}", file=sys.stderr)
         return 2
+
+
+def entry() -> NoReturn:
+    """The ``grpokit`` command and ``python -m grpokit`` (``torchrun -m grpokit``): :func:`main`,
+    then exit with its code. A process that ran a process group leaves by
+    ``train.distributed.exit_process``: a gloo worker thread can otherwise abort it at interpreter
+    exit after a finished run (pytorch/pytorch#179291)."""
+    code = main()
+    distributed = sys.modules.get("grpokit.train.distributed")  # not imported: no group was started
+    if distributed is not None and distributed.group_started():
+        distributed.exit_process(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -252,3 +252,37 @@ def test_distributed_config_is_validated():
         load_config("demo", ["distributed.backend=mpi"])
     with pytest.raises(ConfigError, match=r"does not support model\.lora"):
         load_config("demo", ["distributed.strategy=fsdp", "model.lora={r: 4}"])
+
+
+# a process whose gloo group outlives destroy_process_group (FSDP2 holds it) with a worker thread
+# that comes back for the GIL after the main thread is done: a collective's completion callback
+# that sleeps stands in for the worker releasing a collective's tensors late (pytorch#179291)
+LATE_WORKER = """
+import atexit, sys, tempfile, time, torch, torch.distributed as dist
+from grpokit.train import distributed
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+distributed._group_started = True
+kept = dist.group.WORLD
+dist.all_reduce(torch.ones(4), async_op=True).get_future().then(lambda fut: time.sleep(0.3))
+time.sleep(0.05)
+dist.destroy_process_group()
+atexit.register(lambda: print("exit handler ran", flush=True))
+sys.stdout.write("buffered, no newline")
+distributed.exit_process(3)
+"""
+
+
+def test_exit_process_survives_a_late_gloo_worker_and_runs_exit_handlers():
+    # left through sys.exit / interpreter finalization, this script aborts (-6) every time
+    proc = subprocess.run([sys.executable, "-c", LATE_WORKER], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.stdout.startswith("buffered, no newline") and "exit handler ran" in proc.stdout
+
+
+def test_the_command_line_exits_normally_without_a_process_group(monkeypatch, capsys):
+    from grpokit import cli
+
+    monkeypatch.setattr(sys, "argv", ["grpokit"])  # prints the help, returns 0
+    with pytest.raises(SystemExit) as exit_:
+        cli.entry()
+    assert exit_.value.code == 0 and "usage: grpokit" in capsys.readouterr().out

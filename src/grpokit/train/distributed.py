@@ -20,15 +20,24 @@ The rules the trainer follows, and why:
   *global* token / sequence counts, so the loss is multiplied by W: the synchronised gradient is
   then exactly the single-process gradient of the whole batch.
 
+- A process that ran a process group leaves through :func:`exit_process` (the command line does):
+  a process group that FSDP2 still references outlives ``destroy_process_group``, and its gloo
+  worker threads can still be releasing a collective's tensors when the interpreter finalizes; a
+  thread that comes back for the GIL then aborts the process (``terminate called without an
+  active exception``, exit -6: pytorch/pytorch#179291), after a run that had finished and saved.
+
 What it deliberately does not do: launch processes (torchrun does), pipeline or tensor
 parallelism, or anything multi-node beyond torchrun's own rendezvous.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -123,13 +132,34 @@ def init_distributed(strategy: str = "ddp", backend: str = "auto") -> Dist:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
+    global _group_started
+    _group_started = True
     return Dist(rank, world_size, local_rank, strategy)
+
+
+_group_started = False  # init_distributed started (or joined) a process group in this process
+
+
+def group_started() -> bool:
+    return _group_started
 
 
 def shutdown(d: Dist) -> None:
     if d.enabled and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code`` the way ``sys.exit`` would -- exit handlers run, stdout and
+    stderr flushed -- but without interpreter finalization, where a collective's worker thread
+    still holding Python tensors aborts the process (module docstring). Files the run wrote are
+    closed by then (``with`` blocks, the logger's ``close``)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
