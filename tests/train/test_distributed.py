@@ -114,6 +114,8 @@ def test_ddp_run_matches_one_process_and_writes_once(single, ddp):
         assert y["prompt_shared_fraction"] == x["prompt_shared_fraction"] > 0.5
         for key in ("loss", "kl", "grad_norm", "entropy", "clip_fraction", "advantage_abs_mean"):
             assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-7), key
+        # each rank's recomputed pi_old equals its sampler's log-probs (float32), as in one process
+        assert y["logprob_mismatch"] < 1e-5 and y["logprob_ratio_outside"] == 0
     s1, s2 = (json.loads((r / "summary.json").read_text()) for r in (single, ddp))
     assert (s1["world_size"], s2["world_size"]) == (1, 2)
     assert s2["accuracy_before"] == s1["accuracy_before"]
@@ -196,6 +198,9 @@ def test_fsdp_three_steps_complete_and_resume_exactly(fsdp, tmp_path):
     m = metrics(fsdp)
     assert [x["step"] for x in m] == [1, 2, 3]
     assert all(x["kl"] is not None and x["generation_batches"] >= 1 for x in m)
+    # the sampler decodes with the parameters unsharded, the loss's forward runs sharded: the same
+    # log-probs to float32 round-off
+    assert all(x["logprob_mismatch"] < 1e-5 and x["logprob_ratio_outside"] == 0 for x in m)
     ckpt = fsdp / "checkpoints/step-000002"
     assert (ckpt / "optimizer/.metadata").is_file()  # torch.distributed.checkpoint, sharded
     assert json.loads((fsdp / "summary.json").read_text())["world_size"] == 2
