@@ -368,7 +368,7 @@ class DistributedConfig:
     strategy: str = _f(
         "ddp",
         "Under torchrun: ddp (gradients averaged) | fsdp (FSDP2 fully_shard: parameters, gradients "
-        "and optimizer state sharded). Ignored in a single process.",
+        "and optimizer state sharded; with model.lora too). Ignored in a single process.",
     )
     backend: str = _f("auto", "Process-group backend: auto (nccl with CUDA, else gloo) | nccl | gloo.")
 
@@ -631,11 +631,6 @@ def validate(cfg: GRPOConfig) -> None:
             )
     _check_choice("distributed.strategy", cfg.distributed.strategy, ("ddp", "fsdp"))
     _check_choice("distributed.backend", cfg.distributed.backend, ("auto", "nccl", "gloo"))
-    if cfg.distributed.strategy == "fsdp" and m.lora is not None:
-        raise ConfigError(
-            "distributed.strategy=fsdp does not support model.lora yet (the reference is the adapter-off "
-            "base, which FSDP would have to unshard twice per pass); use distributed.strategy=ddp for LoRA"
-        )
     mo = cfg.monitor
     _check("monitor.window", mo.window >= 2, mo.window, ">= 2")
     _check("monitor.kl_max", mo.kl_max > 0, mo.kl_max, "> 0")

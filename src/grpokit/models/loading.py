@@ -238,7 +238,10 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     """``model``'s weights under the base model's parameter names, each LoRA layer's weight with its
     active adapters added (``W + scaling * B @ A``, peft's ``get_delta_weight``, as peft's merge does):
     what an inference engine without adapters loads. The model itself is not changed; weights
-    without an adapter are returned as they are (no copy). Plain models: their ``state_dict``."""
+    without an adapter are returned as they are (no copy). Plain models: their ``state_dict``.
+
+    A model sharded by FSDP2 (DTensor weights) gets every weight and delta whole on every rank:
+    each rank must call this, as it gathers one tensor at a time in the state dict's order."""
     inner = hf_model(model)
     state = inner.state_dict()
     if (why := lora_merge_reason(model)) is not None:
@@ -246,23 +249,27 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:
-        return state
+        LoraLayer = ()  # no peft installed: no adapter layers
     layers = {name: m for name, m in inner.named_modules() if isinstance(m, LoraLayer)}
-    if not layers:
-        return state
     out = {}
     for key, tensor in state.items():
         if ".lora_" in key:
             continue  # lora_A / lora_B / lora_embedding_*: folded into the base weight below
+        tensor = _whole(tensor)
         name, _, leaf = key.rpartition(".")
         owner = name.removesuffix(".base_layer")
         if owner in layers and name.endswith(".base_layer") and leaf == "weight":
             module = layers[owner]
             with torch.no_grad():
                 for adapter in _active_adapters(module):
-                    tensor = tensor + module.get_delta_weight(adapter).to(tensor.dtype)
+                    tensor = tensor + _whole(module.get_delta_weight(adapter)).to(tensor.dtype)
         out[f"{owner}.{leaf}" if name.endswith(".base_layer") else key] = tensor
     return out
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (an FSDP2 shard) gathered whole -- a collective --; any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _active_adapters(layer) -> list[str]:

@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 
 from grpokit.errors import ConfigError
-from grpokit.models.loading import merged_state_dict
 
 
 @dataclass(frozen=True)
@@ -260,17 +259,6 @@ def full_state_dict(model, d: Dist) -> dict | None:
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return sd if d.is_main else None
-
-
-def gathered_state_dict(model, d: Dist) -> dict:
-    """The full state dict on *every* rank, on the model's device (a collective under FSDP): what
-    a colocated inference engine on each rank loads, so under the base model's names, with LoRA
-    adapters merged into their layers' weights (``models.loading.merged_state_dict``)."""
-    if not d.fsdp:
-        return merged_state_dict(model)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
 def load_full_state_dict(model, state: dict) -> tuple[list[str], list[str]]:

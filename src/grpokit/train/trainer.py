@@ -44,7 +44,13 @@ from grpokit.data.datasets import RowsSource, build_prompt, build_sources, filte
 from grpokit.diagnostics.hacking import HackingMonitor
 from grpokit.errors import CheckpointError, ConfigError, RunExistsError, TrainingInterrupted
 from grpokit.models.fused_layers import fuse_layers
-from grpokit.models.loading import keep_head_float32, load_model, lora_merge_reason, mixed_precision
+from grpokit.models.loading import (
+    keep_head_float32,
+    load_model,
+    lora_merge_reason,
+    merged_state_dict,
+    mixed_precision,
+)
 from grpokit.report import write_report
 from grpokit.rewards.registry import (
     Scores,
@@ -74,7 +80,6 @@ from grpokit.train.checkpoint import (
 from grpokit.train.distributed import (
     full_parameters,
     full_state_dict,
-    gathered_state_dict,
     init_distributed,
 )
 from grpokit.train.evaluate import evaluate_sharded
@@ -436,8 +441,8 @@ class GRPOTrainer:
                     episodes=self.episodes, row_offset=r * P * G, num_rows_total=W * P * G,
                     policy_version=self.step - 1,
                 )  # fmt: skip
-        if self._engine_stale:  # push the weights of the last update to vLLM
-            self.engine.load_weights(gathered_state_dict(self.model, self.dist).items())
+        if self._engine_stale:  # push the weights of the last update to vLLM (a collective under FSDP)
+            self.engine.load_weights(merged_state_dict(self.model).items())
             self._engine_stale = False
         seed = int(torch.randint(2**31 - 1, (1,), generator=self.generator, device=self.device))
         at = dict(first_prompt_index=r * P, policy_version=self.step - 1)
