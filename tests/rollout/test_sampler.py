@@ -263,3 +263,51 @@ def test_inverse_cdf_at_u_one_draws_the_last_token_with_mass(V):
     assert torch.equal(index, last)
     exact = torch.log_softmax(z.double(), -1).gather(-1, last[:, None]).squeeze(-1)
     torch.testing.assert_close(logp.double(), exact, rtol=0, atol=2e-6)
+
+
+def _byte_level_bpe():
+    """A byte-level BPE tokenizer trained here (GPT-2 / Qwen / SmolLM2's kind), with multi-byte
+    characters split across tokens and two special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    corpus = ["x = 3 + 4 </call> résumé naïve 東京 ok.", "call(7 * 6) . , ! ?  tabs\tand\nlines"] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|im_end|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    raw.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<pad>")
+
+
+def test_batch_decode_gives_transformers_texts():
+    from grpokit.models.tiny import char_tokenizer
+    from grpokit.rollout.sampler import _backend_decodes, batch_decode
+
+    gen = torch.Generator().manual_seed(0)
+    char = char_tokenizer()
+    char.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    cleaned = char_tokenizer()
+    cleaned.clean_up_tokenization_spaces = True  # " ." -> ".": transformers' own decode must run
+    for tok in (_byte_level_bpe(), char, cleaned):
+        V = len(tok)
+        # random ids, special ones included, rows of 0-40 tokens: partial UTF-8 sequences at row ends
+        lengths = torch.randint(41, (200,), generator=gen).tolist()
+        ids = [torch.randint(V, (n,), generator=gen).tolist() for n in lengths]
+        want = tok.batch_decode(ids, skip_special_tokens=True)
+        assert batch_decode(tok, ids) == want
+        with_special = tok.batch_decode(ids)  # the rows do hold special tokens, and they are skipped
+        assert any(tok.eos_token in t for t in with_special) and not any(tok.eos_token in t for t in want)
+    assert _backend_decodes(char) and not _backend_decodes(cleaned)
+    # and there the backend's texts differ: the clean-up is not the backend's
+    assert cleaned.backend_tokenizer.decode_batch(ids, skip_special_tokens=True) != want
+
+    class OwnDecode(type(char)):  # a tokenizer class with a decode of its own keeps it
+        def _decode(self, token_ids, **kwargs):
+            return "own"
+
+    char.__class__ = OwnDecode
+    assert not _backend_decodes(char) and set(batch_decode(char, [[1, 2], [3]])) == {"own"}

@@ -387,8 +387,33 @@ def sampling_mode(model):
 def _hits_stop(tokenizer, ids_bt: torch.Tensor | list[list[int]], stop: tuple[str, ...]) -> torch.Tensor:
     """[b] bool: does each row's text (special tokens skipped) contain one of the ``stop`` strings?"""
     ids = ids_bt.tolist() if isinstance(ids_bt, torch.Tensor) else ids_bt
-    texts = tokenizer.batch_decode(ids, skip_special_tokens=True) if ids else []
+    texts = batch_decode(tokenizer, ids) if ids else []
     return torch.tensor([any(s in text for s in stop) for text in texts], dtype=torch.bool)
+
+
+def batch_decode(tokenizer, ids: list[list[int]]) -> list[str]:
+    """``tokenizer.batch_decode(ids, skip_special_tokens=True)``: the same texts.
+
+    A fast tokenizer whose decode is transformers' own and cleans up no spaces decodes in one call
+    to its Rust backend, which is all transformers' decode does after checking every id's type in
+    Python: the stop check runs at every step for every running row (128 rows of 5-40 tokens:
+    0.2 ms against 0.9 ms). Any other tokenizer goes through ``batch_decode``."""
+    if _backend_decodes(tokenizer):
+        return tokenizer.backend_tokenizer.decode_batch(ids, skip_special_tokens=True)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def _backend_decodes(tokenizer) -> bool:
+    """Whether ``tokenizer.decode`` is exactly its backend's ``decode``: a fast tokenizer whose class
+    keeps transformers' ``_decode`` (the backend's decode, then the optional space clean-up) with
+    ``clean_up_tokenization_spaces`` off."""
+    from transformers import PreTrainedTokenizerFast
+
+    return (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    )
 
 
 def _positions(mask_PL: torch.Tensor) -> torch.Tensor:
