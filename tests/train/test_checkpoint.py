@@ -15,8 +15,7 @@ from grpokit.config import load_config
 from grpokit.errors import CheckpointError
 from grpokit.train.checkpoint import find_checkpoint, list_checkpoints, verify
 from grpokit.train.trainer import GRPOTrainer
-
-TIME_KEYS = {"time_sampling_s", "time_scoring_s", "time_training_s", "tokens_per_s"}
+from tests.helpers import TIME_KEYS
 
 
 def sets(tiny_dir, out, **extra):

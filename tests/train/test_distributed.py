@@ -21,8 +21,8 @@ from grpokit.config import ConfigError, load_config
 from grpokit.train import trainer as trainer_module
 from grpokit.train.distributed import Dist
 from grpokit.train.evaluate import combine_evaluations
+from tests.helpers import TIME_KEYS
 
-TIME_KEYS = {"time_sampling_s", "time_scoring_s", "time_training_s", "tokens_per_s"}
 # the shipped tiny model on the demo's sort task; 4 micro-batches per rank (gradient accumulation
 # with the sync deferred to the last), a reference model, mu = 2 (pi_old != pi_theta), prompts
 # shared (train.share_prompts, the default) in one process and under torchrun alike

@@ -18,14 +18,12 @@ from grpokit.rollout.episodes import episodes_from_config, sample_episodes
 from grpokit.rollout.sampler import SamplingParams
 from grpokit.train.batch import TrainBatch, batch_logprobs, plan_micro_batches
 from grpokit.train.trainer import GRPOTrainer
+from tests.helpers import TIME_KEYS
 
 
 def varied(prompts, completions, conversation, **_):
     """Spread inside every group: from the final answer's digits and the number of turns."""
     return [float((sum(map(ord, c)) + len(m)) % 5) for c, m in zip(completions, conversation, strict=True)]
-
-
-TIME_KEYS = {"time_sampling_s", "time_scoring_s", "time_training_s", "tokens_per_s"}
 
 
 def calculator_sets(out, **extra):

@@ -14,6 +14,7 @@ from grpokit.models.loading import load_model
 from grpokit.rewards.registry import WeightedReward
 from grpokit.train.optim import learning_rate
 from grpokit.train.trainer import GRPOTrainer
+from tests.helpers import TIME_KEYS
 
 CONTRACT_KEYS = {
     "step",
@@ -29,7 +30,6 @@ CONTRACT_KEYS = {
     "time_scoring_s",
     "time_training_s",
 }
-TIME_KEYS = {"time_sampling_s", "time_scoring_s", "time_training_s", "tokens_per_s"}
 
 
 def config(tmp_path, model_dir, name="run", **sets):
