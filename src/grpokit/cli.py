@@ -398,4 +398,4 @@ def entry() -> NoReturn:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
