@@ -69,8 +69,9 @@ class ModelConfig:
     fused_logprobs: bool = _f(
         True,
         "Training log-probs from the hidden states and the output head, block by block (the [B, T, V] "
-        "logits never exist) for llama / qwen2 / qwen3 / mistral models; others, and FSDP, use the logits "
-        "path, with the reason printed once. With a token-separable loss (all but `algo.ratio_level: "
+        "logits never exist) for llama / qwen2 / qwen3 / mistral models, under FSDP too (the head is in "
+        "FSDP's root unit, whole after the forward); others use the logits path, with the reason printed "
+        "once. With a token-separable loss (all but `algo.ratio_level: "
         "sequence`) and no `algo.entropy_top_q`, the head's gradients are computed in the same forward "
         "blocks, so the backward does not recompute them (docs/algorithms.md).",
     )

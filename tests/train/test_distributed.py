@@ -125,6 +125,21 @@ def test_ddp_run_matches_one_process_and_writes_once(single, ddp):
     assert len(samples) == 3 * 4
 
 
+def test_fsdp_run_matches_one_process_on_the_fused_head_and_own_sampler(single, tmp_path):
+    # FSDP2 leaves the root unit (embeddings, norm, head) whole after the forward, so the loss
+    # projects hidden states block by block as in one process, and the sampler decodes on its own
+    # path with the shards gathered: neither falls back, and the run is the single process's
+    out = tmp_path / "run"
+    proc = launch(out, "train.save_every=1", "distributed.strategy=fsdp")
+    assert "full logits" not in proc.stdout and "Hugging Face forward" not in proc.stdout, proc.stdout
+    for x, y in zip(metrics(single), metrics(out), strict=True):
+        for key in ("reward_mean", "accuracy", "completion_length_mean", "zero_std_fraction"):
+            assert y[key] == x[key], key
+        for key in ("loss", "kl", "grad_norm", "entropy", "clip_fraction"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-7), key
+        assert y["logprob_mismatch"] < 1e-5
+
+
 def test_ddp_resume_equals_uninterrupted(ddp, tmp_path):
     run = resumed_copy(ddp, tmp_path / "run", step=2)
     launch(run, resume=run)

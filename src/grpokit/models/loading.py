@@ -317,9 +317,26 @@ def fused_head_reason(model) -> str | None:
     head = inner.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         return f"its output head is a {type(head).__name__}, not a Linear layer"
-    if type(head.weight.data) is not torch.Tensor:
-        return "its output head is sharded (FSDP): the head's weight is not whole outside the forward"
+    if type(head.weight.data) is not torch.Tensor and not _whole_after_forward(inner, head):
+        return "its output head is sharded (FSDP) outside the root unit: not whole after the forward"
     return None
+
+
+def _whole_after_forward(model, head: torch.nn.Module) -> bool:
+    """Whether an FSDP2-sharded ``head`` is whole once ``model``'s forward has run: ``model`` is the
+    root FSDP unit and the head belongs to it (no unit of its own in between), and FSDP2 leaves the
+    root unit's parameters unsharded after its forward, for the backward that follows
+    (``train.distributed.shard`` shards this way). ``completion_logprobs`` checks it at every use."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    owner = {m: name for name, m in model.named_modules()}.get(head)
+    if not isinstance(model, FSDPModule) or owner is None or isinstance(head, FSDPModule):
+        return False
+    parts = owner.split(".")
+    between = (model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts)))
+    return not any(isinstance(m, FSDPModule) for m in between)
 
 
 def packing_reason(model) -> str | None:

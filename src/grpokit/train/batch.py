@@ -371,6 +371,11 @@ def completion_logprobs(
         entropy = token_entropy(out_bT.detach(), temperature=temperature) if with_entropy else None
         return logp, entropy
     weight, bias = head.weight, head.bias
+    if type(weight.data) is not torch.Tensor:  # FSDP2 resharded its root unit after the forward
+        raise RuntimeError(
+            "the output head's weight is still sharded after the model's forward, so log-probs cannot "
+            "be computed from the hidden states; set model.fused_logprobs: false"
+        )
     with torch.autocast(out_bT.device.type, enabled=False):  # the head in float32, as keep_head_float32
         hidden = out_bT.to(weight.dtype)
         # only the loss's tokens are projected (padding costs nothing); entropy from the same blocks

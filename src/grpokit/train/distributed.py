@@ -246,7 +246,9 @@ def full_parameters(model, d: Dist):
         yield
     finally:
         for m in mods:
-            m.set_reshard_after_forward(True, recurse=False)
+            # back to FSDP2's own settings: the root unit (embeddings, norm, head) stays whole after
+            # its forward, for the backward that follows it (and the loss's head, fused_head_reason)
+            m.set_reshard_after_forward(m is not model, recurse=False)
             m.reshard()
 
 
