@@ -212,7 +212,8 @@ def test_fsdp_lora_equals_ddp_lora_and_resumes_exactly(ddp_lora, tmp_path):
     # the policy's adapters sharded with the base it trains on, the reference that base with the
     # adapters off: the same run as DDP, and a resume from its sharded checkpoint the same run again
     out = tmp_path / "run"
-    launch(out, *LORA, "distributed.strategy=fsdp")
+    proc = launch(out, *LORA, "distributed.strategy=fsdp")
+    assert "full logits" not in proc.stdout and "Hugging Face forward" not in proc.stdout, proc.stdout
     a, b = metrics(ddp_lora), metrics(out)
     for x, y in zip(a, b, strict=True):
         for key in ("reward_mean", "accuracy", "completion_length_mean"):
