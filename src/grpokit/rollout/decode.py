@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpokit.models.loading import accepts_kwarg, hf_model, sliding_window, vanilla_lora
+from grpokit.models.loading import hf_model, sliding_window, vanilla_lora
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -457,13 +457,14 @@ class HFDecoder:
         b, w = ids_bw.shape
         if w == 1:
             return self.step(ids_bw[:, 0], state)
+        from grpokit.rollout.sampler import cached_forward
+
         cache, attn_bS = state
         pos_bw = attn_bS.sum(dim=1, keepdim=True) + torch.arange(w, device=ids_bw.device)[None]
         attn_bS = torch.cat([attn_bS, real_bw.long()], dim=1)
-        kw = {"cache" if accepts_kwarg(self.model, "cache") else "past_key_values": cache}
-        out = self.model(input_ids=ids_bw, attention_mask=attn_bS, position_ids=pos_bw, use_cache=True, **kw)
-        state[0], state[1] = (out.cache if "cache" in out else out.past_key_values), attn_bS
-        return out.logits[torch.arange(b, device=ids_bw.device), real_bw.sum(dim=1) - 1]
+        logits_bwV, state[0] = cached_forward(self.model, ids_bw, attn_bS, pos_bw, cache)
+        state[1] = attn_bS
+        return logits_bwV[torch.arange(b, device=ids_bw.device), real_bw.sum(dim=1) - 1]
 
     def select(self, state: list, keep_b: torch.Tensor) -> None:
         state[0].batch_select_indices(keep_b)

@@ -423,12 +423,19 @@ def _positions(mask_PL: torch.Tensor) -> torch.Tensor:
 
 def _step(model, ids, attn, positions, cache):
     """One forward returning the last position's logits [b, V] and the cache (transformers 4.x and 5.x)."""
-    kw = {"logits_to_keep": 1} if accepts_kwarg(model, "logits_to_keep") else {}
+    logits, new_cache = cached_forward(model, ids, attn, positions, cache, last_only=True)
+    return logits[:, -1], new_cache
+
+
+def cached_forward(model, ids, attn, positions, cache, last_only: bool = False):
+    """One forward over ``ids`` [b, w] after ``cache`` (None: none yet): the logits [b, w, V] (with
+    ``last_only``, where the model allows it, only the last position's) and the new cache, under
+    transformers 4.x's ``past_key_values`` and 5.x's ``cache`` alike."""
+    kw = {"logits_to_keep": 1} if last_only and accepts_kwarg(model, "logits_to_keep") else {}
     if cache is not None:
         kw["cache" if accepts_kwarg(model, "cache") else "past_key_values"] = cache
     out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, **kw)
-    new_cache = out.cache if "cache" in out else out.past_key_values
-    return out.logits[:, -1], new_cache
+    return out.logits, (out.cache if "cache" in out else out.past_key_values)
 
 
 def uniforms(
