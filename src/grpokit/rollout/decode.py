@@ -44,9 +44,11 @@ from grpokit.models.loading import hf_model, sliding_window, vanilla_lora
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def own_decoder_reason(model, capacity: int | None = None) -> str | None:
+def own_decoder_reason(model, capacity: int | None = None, gathered: bool = False) -> str | None:
     """None when :class:`OwnDecoder` can sample from ``model`` (sequences up to ``capacity`` tokens);
-    else the reason it cannot, for the one-line note the trainer prints."""
+    else the reason it cannot, for the one-line note the trainer prints. ``gathered``: the caller
+    decodes with FSDP's shards gathered (``train.distributed.full_parameters``), so sharded weights
+    are no reason."""
     inner = hf_model(model)
     config = getattr(inner, "config", None)
     family = getattr(config, "model_type", None)
@@ -71,7 +73,7 @@ def own_decoder_reason(model, capacity: int | None = None) -> str | None:
         for x in _projections(layer):
             if type(x) is not torch.nn.Linear and (why := _lora_reason(x)) is not None:
                 return why
-    if any(type(p.data) is not torch.Tensor for p in inner.parameters()):
+    if not gathered and any(type(p.data) is not torch.Tensor for p in inner.parameters()):
         return "its weights are sharded (FSDP DTensors)"
     return None
 

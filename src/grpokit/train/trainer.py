@@ -182,11 +182,9 @@ class GRPOTrainer:
             r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop), r.decode
         )
         longest = None if d.max_prompt_length is None else d.max_prompt_length + r.max_new_tokens
-        if self.engine is None and r.decode == "auto":
-            with full_parameters(model, self.dist):  # as the sampler sees it: FSDP's shards gathered
-                why = own_decoder_reason(model, longest)
-            if why:
-                self._print(f"grpokit: the sampler runs the model's Hugging Face forward: {why}")
+        own = self.engine is None and r.decode == "auto"  # FSDP: the sampler decodes with shards gathered
+        if own and (why := own_decoder_reason(model, longest, gathered=self.dist.fsdp)):
+            self._print(f"grpokit: the sampler runs the model's Hugging Face forward: {why}")
         if self.engine is not None and (why := self.engine.logprobs_reason(self.sampling)):
             self._print(f"grpokit: vLLM rollouts carry no sampler log-probs (logprob_mismatch null): {why}")
         self.step, self.rows_consumed = 0, 0
