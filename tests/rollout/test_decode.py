@@ -86,6 +86,34 @@ def test_prefill_and_steps_give_hf_logits(family):
             torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_without_padding_steps_skip_the_mask_and_give_the_same_logits(family):
+    """Prompts of one length leave no key masked: a step's attention runs without the bias, with the
+    values it gives with the all-zero bias, until a chunk's padding masks a slot."""
+    model, tok = build(family)
+    ids, mask = encode_prompts(tok, ["12+34=", "7*8-1=", "sort:9"])
+    assert bool(mask.all())
+    own, hf = OwnDecoder(model), HFDecoder(model)
+    with torch.no_grad():
+        _, state = own.prefill(ids, mask, 2, ids.shape[1] + 8)
+        hf_logits, hf_state = hf.prefill(ids, mask, 2, ids.shape[1] + 8)
+        _, biased = own.prefill(ids, mask, 2, ids.shape[1] + 8)
+        biased.padded = True  # the same cache, attention given the (all-zero) bias
+        assert not state.padded
+        for _ in range(3):
+            nxt = hf_logits.argmax(-1)
+            logits = own.step(nxt, state).clone()
+            assert torch.equal(logits, own.step(nxt, biased))
+            hf_logits = hf.step(nxt, hf_state)
+            torch.testing.assert_close(logits, hf_logits, rtol=0, atol=1e-5)
+        real_bw = torch.tensor([[True, True]] * 5 + [[True, False]])
+        chunk = torch.stack([hf_logits.argmax(-1), torch.full((6,), 5)], dim=1)
+        logits, hf_logits = own.feed(chunk, real_bw, state), hf.feed(chunk, real_bw, hf_state)
+        assert state.padded  # the last row's padding slot is masked from now on
+        nxt = hf_logits.argmax(-1)
+        torch.testing.assert_close(own.step(nxt, state), hf.step(nxt, hf_state), rtol=0, atol=1e-5)
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(
     "params",

@@ -127,14 +127,15 @@ class _Layer:
 class KVState:
     """The decoding batch: per layer keys / values [b, K, C, D] filled up to ``length``, the
     attention bias of each key position ([b, C] in the keys' dtype: -inf at the prompts' left
-    padding, else 0: SDPA's own conversion of a bool mask, made once instead of per layer and
-    step), each row's next position."""
+    padding and episodes' chunk padding, else 0: SDPA's own conversion of a bool mask, made once
+    instead of per layer and step), each row's next position."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     key_bias: torch.Tensor
     positions: torch.Tensor  # [b] long
     length: int
+    padded: bool  # some key is masked (key_bias has -inf): False lets a step's attention skip the bias
 
 
 class OwnDecoder:
@@ -201,7 +202,7 @@ class OwnDecoder:
         attend_P1LL = ((causal_LL & mask_PL[:, None, :]) | eye_LL)[:, None]
         keys: list = [None] * len(self.layers)
         values: list = [None] * len(self.layers)
-        hidden_PLd = self._forward(ids_PL, positions_PL, attend_P1LL, keys, values, 0, prefill=True)
+        hidden_Nd = self._forward(ids_PL, positions_PL, attend_P1LL, keys, values, 0, prefill=True)
         b = P * group_size
         for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             keys[i] = k.new_empty((b, self.K, capacity, self.D))
@@ -211,20 +212,24 @@ class OwnDecoder:
         key_bias = keys[0].new_zeros((b, capacity))
         key_bias[:, :L].masked_fill_(~mask_PL.repeat_interleave(group_size, dim=0), float("-inf"))
         positions_b = mask_PL.sum(dim=1).repeat_interleave(group_size)
-        logits_PV = self._logits(hidden_PLd[:, -1])
-        return logits_PV.repeat_interleave(group_size, dim=0), KVState(keys, values, key_bias, positions_b, L)
+        logits_PV = self._logits(hidden_Nd.view(P, L, -1)[:, -1])
+        padded = not bool(mask_PL.all())
+        state = KVState(keys, values, key_bias, positions_b, L, padded)
+        return logits_PV.repeat_interleave(group_size, dim=0), state
 
     def step(self, ids_b: torch.Tensor, state: KVState) -> torch.Tensor:
         """Feed one token per row; return the next-token logits [b, V]."""
         length, capacity = state.length + 1, state.key_bias.shape[1]
         if length > capacity:
             raise ValueError(f"the cache holds {capacity} positions; step {length} does not fit")
-        attend_b11S = state.key_bias[:, None, None, :length]
-        hidden_b1d = self._forward(
+        # no key is masked until some row has padding: SDPA without a mask (the same values as with
+        # an all-zero one, one addition fewer per score)
+        attend_b11S = state.key_bias[:, None, None, :length] if state.padded else None
+        hidden_bd = self._forward(
             ids_b[:, None], state.positions[:, None], attend_b11S, state.keys, state.values, state.length
         )
         state.length, state.positions = length, state.positions + 1
-        return self._logits(hidden_b1d[:, -1])
+        return self._logits(hidden_bd)
 
     def feed(self, ids_bw: torch.Tensor, real_bw: torch.Tensor, state: KVState) -> torch.Tensor:
         """Feed each row a chunk of tokens (multi-turn episodes: the sampled token, then an
@@ -238,15 +243,16 @@ class OwnDecoder:
             return self.step(ids_bw[:, 0], state)
         length = start + w
         state.key_bias[:, start:length].masked_fill_(~real_bw, float("-inf"))  # slots past length are 0
+        state.padded = state.padded or not bool(real_bw.all())
         slots_S = torch.arange(length, device=ids_bw.device)
         future_wS = slots_S[None] > start + torch.arange(w, device=ids_bw.device)[:, None]
         # a padding query sees the real keys before the chunk, so no softmax row is empty (NaN)
         attend_b1wS = state.key_bias[:, None, None, :length].masked_fill(future_wS, float("-inf"))
         positions_bw = state.positions[:, None] + (real_bw.long().cumsum(dim=1) - 1).clamp(min=0)
-        hidden_bwd = self._forward(ids_bw, positions_bw, attend_b1wS, state.keys, state.values, start)
+        hidden_Nd = self._forward(ids_bw, positions_bw, attend_b1wS, state.keys, state.values, start)
         n_b = real_bw.sum(dim=1)
         state.length, state.positions = length, state.positions + n_b
-        return self._logits(hidden_bwd[torch.arange(b, device=ids_bw.device), n_b - 1])
+        return self._logits(hidden_Nd.view(b, w, -1)[torch.arange(b, device=ids_bw.device), n_b - 1])
 
     @staticmethod
     def _reserve(state: KVState, slots: int) -> None:
@@ -295,47 +301,55 @@ class OwnDecoder:
         return out_bV if head.bias is None else out_bV.add_(head.bias)
 
     def _forward(self, ids, positions, attend, keys, values, start: int, prefill: bool = False):
+        """The last hidden states [b*Q, d] of ``ids`` [b, Q] (rows in (b, Q) order). Every token is one
+        row of 2-D tensors outside attention: a one-token step's projections, norms and rotary run
+        without the Q dimension's views and transposes (10-15% of a step at the shipped model)."""
         b, Q = ids.shape
         H, K, D = self.H, self.K, self.D
-        x = F.embedding(ids, self.embed)
+        x = F.embedding(ids.reshape(-1), self.embed)  # [N, d], N = b * Q
         if self.rope_per_step:
-            cos, sin = self.rotary(x, positions)
-            cos, sin = cos[:, None], _signed(sin)[:, None]  # [b, 1, Q, D]
+            cos, sin = self.rotary(x[None], positions.reshape(1, -1))
+            cos, sin = cos[0][:, None], _signed(sin[0])[:, None]  # [N, 1, D]
         else:
-            rope = self.rope[positions][:, None]  # one lookup for both tables
+            rope = self.rope[positions.reshape(-1)][:, None]  # one lookup for both tables
             cos, sin = rope[..., :D], rope[..., D:]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.in_norm, self.eps)
             if len(layer.qkv) == 1:
-                qkv = _linear(layer.qkv[0], h).view(b, Q, H + 2 * K, D)
-                q, k, v = qkv[:, :, :H], qkv[:, :, H : H + K], qkv[:, :, H + K :]
+                qkv = _linear(layer.qkv[0], h).view(-1, H + 2 * K, D)
+                q, k, v = qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :]
             else:
-                q, k, v = (_linear(w, h).view(b, Q, -1, D) for w in layer.qkv)
+                q, k, v = (_linear(w, h).view(-1, n, D) for w, n in zip(layer.qkv, (H, K, K), strict=True))
             if layer.q_norm is not None:
                 q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
             if len(layer.qkv) == 1 and layer.q_norm is None:  # q and k rotated in one go
-                qk = qkv[:, :, : H + K].transpose(1, 2)
-                qk = _rotate(qk, cos, sin)
+                qk = _rotate(qkv[:, : H + K], cos, sin)
                 q, k = qk[:, :H], qk[:, H:]
             else:
-                q, k = q.transpose(1, 2), k.transpose(1, 2)
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            v = v.transpose(1, 2)
-            if prefill:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, enable_gqa=H != K)
-                # the cache holds keys in the dtype attention computes in (autocast's, under it):
-                # cast once as written, not the whole prefix again at every step; the same values
-                keys[i], values[i] = k.to(out.dtype), v.to(out.dtype)
+            if Q == 1 and not prefill:  # one token per row
+                keys[i][:, :, start] = k
+                values[i][:, :, start] = v
+                # the G = H / K query heads of a kv head are one query block
+                out = F.scaled_dot_product_attention(
+                    q.reshape(b, K, H // K, D), keys[i][:, :, : start + 1], values[i][:, :, : start + 1],
+                    attn_mask=attend,
+                )  # fmt: skip
+                out = out.reshape(b, H * D)
             else:
-                keys[i][:, :, start : start + Q] = k
-                values[i][:, :, start : start + Q] = v
-                k_all, v_all = keys[i][:, :, : start + Q], values[i][:, :, : start + Q]
-                if Q == 1:  # one token per row: the G = H / K query heads of a kv head are one query block
-                    q = q.reshape(b, K, H // K, D)
-                    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attend)
+                q, k, v = (t.view(b, Q, -1, D).transpose(1, 2) for t in (q, k, v))
+                if prefill:
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, enable_gqa=H != K)
+                    # the cache holds keys in the dtype attention computes in (autocast's, under it):
+                    # cast once as written, not the whole prefix again at every step; the same values
+                    keys[i], values[i] = k.to(out.dtype), v.to(out.dtype)
                 else:  # a chunk (:meth:`feed`)
+                    keys[i][:, :, start : start + Q] = k
+                    values[i][:, :, start : start + Q] = v
+                    k_all, v_all = keys[i][:, :, : start + Q], values[i][:, :, : start + Q]
                     out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attend, enable_gqa=H != K)
-            x = x + _linear(layer.o, out.reshape(b, H, Q, D).transpose(1, 2).reshape(b, Q, H * D))
+                out = out.transpose(1, 2).reshape(b * Q, H * D)
+            x = x + _linear(layer.o, out)
             h = _rms_norm(x, layer.post_norm, self.eps)
             if len(layer.gate_up) == 1:
                 gate, up = _linear(layer.gate_up[0], h).chunk(2, dim=-1)
