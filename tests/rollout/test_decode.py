@@ -86,7 +86,6 @@ def test_prefill_and_steps_give_hf_logits(family):
             torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=1e-5)
 
 
-
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_without_padding_steps_skip_the_mask_and_give_the_same_logits(family):
     """Prompts of one length leave no key masked: a step's attention runs without the bias, with the
@@ -113,6 +112,7 @@ def test_without_padding_steps_skip_the_mask_and_give_the_same_logits(family):
         assert state.padded  # the last row's padding slot is masked from now on
         nxt = hf_logits.argmax(-1)
         torch.testing.assert_close(own.step(nxt, state), hf.step(nxt, hf_state), rtol=0, atol=1e-5)
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(
@@ -317,6 +317,31 @@ def test_the_cache_is_never_grown():
         assert [k.data_ptr() for k in state.keys] == buffers  # written in place
         with pytest.raises(ValueError, match="does not fit"):
             own.step(logits.argmax(-1), state)
+
+
+def test_rows_leaving_move_to_the_front_of_the_same_buffers():
+    """``select`` keeps the chosen rows' filled slots, in the given order, in the buffers it had
+    (no fresh allocation per drop), and a later step still gives the HF logits."""
+    model, tok = build("llama")
+    ids, mask = encode_prompts(tok, PROMPTS)
+    own, hf = OwnDecoder(model), HFDecoder(model)
+    with torch.no_grad():
+        _, state = own.prefill(ids, mask, 3, ids.shape[1] + 6)
+        hf_logits, hf_state = hf.prefill(ids, mask, 3, ids.shape[1] + 6)
+        nxt = hf_logits.argmax(-1)
+        own.step(nxt, state), hf.step(nxt, hf_state)
+        n = state.length
+        before = [t[:, :, :n].clone() for t in (*state.keys, *state.values)]
+        bias, buffers = state.key_bias[:, :n].clone(), [k.data_ptr() for k in state.keys]
+        keep = torch.tensor([1, 4, 5, 9, 11])
+        own.select(state, keep)
+        hf.select(hf_state, keep)
+        for old, new in zip(before, (*state.keys, *state.values), strict=True):
+            assert torch.equal(new[:, :, :n], old[keep])
+        assert torch.equal(state.key_bias[:, :n], bias[keep]) and not state.key_bias[:, n:].any()
+        assert [k.data_ptr() for k in state.keys] == buffers
+        nxt = torch.tensor([5, 6, 7, 8, 9])
+        torch.testing.assert_close(own.step(nxt, state), hf.step(nxt, hf_state), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("decode", ["auto", "hf"])

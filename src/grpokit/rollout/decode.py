@@ -275,10 +275,16 @@ class OwnDecoder:
         state.key_bias = wider(state.key_bias, 1)
 
     def select(self, state: KVState, keep_b: torch.Tensor) -> None:
-        """Keep only rows ``keep_b`` (indices) in the batch."""
-        state.keys = [k.index_select(0, keep_b) for k in state.keys]
-        state.values = [v.index_select(0, keep_b) for v in state.values]
-        state.key_bias, state.positions = state.key_bias[keep_b], state.positions[keep_b]
+        """Keep only rows ``keep_b`` (distinct indices) in the batch. They move to the front of the
+        same buffers, filled slots only: a fresh buffer per drop page-faults its whole capacity again
+        (a tiny-model call with room for 256 new tokens spent 0.95 ms in drops, against 0.18 ms with
+        room for 64, for the same tokens)."""
+        m, n = len(keep_b), state.length
+        for t in (*state.keys, *state.values):
+            t[:m, :, :n] = t[:, :, :n].index_select(0, keep_b)  # (gathered first, then written)
+        state.key_bias[:m, :n] = state.key_bias[keep_b, :n]  # the slots past n are 0 in every row
+        state.keys, state.values = [k[:m] for k in state.keys], [v[:m] for v in state.values]
+        state.key_bias, state.positions = state.key_bias[:m], state.positions[keep_b]
 
     def _logits(self, hidden_bd: torch.Tensor) -> torch.Tensor:
         """The next-token logits [b, V]. A plain float32 head (no autocast, no hook, forward not
