@@ -1,10 +1,10 @@
 """RMSNorm and the SwiGLU MLP of Llama-family decoders as autograd functions that save less.
 
 What it does: :func:`fuse_layers` rebinds the ``forward`` of a model's RMSNorm modules and MLPs
-(families in :data:`FAMILIES`) to :class:`RMSNormFn` and :class:`SwiGLUDownFn`. Their forward
-values are Hugging Face's, bit for bit (the same operators in the same dtypes; checked on the
-model's own first modules before anything is rebound); their backward computes the same gradient
-from fewer saved tensors:
+(families in :data:`~grpokit.models.loading.LLAMA_FAMILIES`) to :class:`RMSNormFn` and
+:class:`SwiGLUDownFn`. Their forward values are Hugging Face's, bit for bit (the same operators in
+the same dtypes; checked on the model's own first modules before anything is rebound); their
+backward computes the same gradient from fewer saved tensors:
 
 - RMSNorm ``y = w * (x / sqrt(mean(x^2) + eps))`` (Zhang & Sennrich 2019; HF computes it in
   float32 and casts back before the scale): autograd keeps ``x`` and the normalised ``x_hat``;
@@ -34,9 +34,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from grpokit.models.loading import hf_model
-
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+from grpokit.models.loading import LLAMA_FAMILIES, hf_model
 
 
 class RMSNormFn(torch.autograd.Function):
@@ -131,8 +129,8 @@ def fuse_layers(model) -> str | None:
     inner = hf_model(model)
     config = getattr(inner, "config", None)
     family = getattr(config, "model_type", None)
-    if family not in FAMILIES:
-        return f"model_type {family!r} is not one of {FAMILIES}"
+    if family not in LLAMA_FAMILIES:
+        return f"model_type {family!r} is not one of {LLAMA_FAMILIES}"
     norms = [
         m for m in inner.modules() if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")
     ]

@@ -299,8 +299,19 @@ def accepts_kwarg(model, name: str) -> bool:
     return _ACCEPTS[key]
 
 
-# Families whose logits are exactly lm_head(hidden): no soft-capping, scaling or bias tricks after it.
-FUSED_HEAD_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# Decoders with Llama's layout: pre-norm RMSNorm blocks, rotary positions, grouped-query attention,
+# a SiLU-gated MLP, logits = lm_head(norm(hidden)) unless the config caps or scales them
+# (:func:`logit_transform`). The sampler's own decode path, the fused layers, the loss's fused head
+# and padding-free packing serve these families.
+LLAMA_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def logit_transform(config) -> str | None:
+    """How ``config``'s model changes its logits after the head (a soft cap or a scale), or None."""
+    for key in ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, key, None) not in (None, 1, 1.0):
+            return f"the model scales or caps its logits ({key}={getattr(config, key)})"
+    return None
 
 
 def fused_head_reason(model) -> str | None:
@@ -309,11 +320,10 @@ def fused_head_reason(model) -> str | None:
     inner = getattr(model, "module", model)  # DDP
     config = getattr(inner, "config", None)
     family = getattr(config, "model_type", None)
-    if family not in FUSED_HEAD_FAMILIES:
-        return f"model_type {family!r} is not one of {FUSED_HEAD_FAMILIES}"
-    for key in ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(config, key, None) not in (None, 1, 1.0):
-            return f"the model scales or caps its logits ({key}={getattr(config, key)})"
+    if family not in LLAMA_FAMILIES:
+        return f"model_type {family!r} is not one of {LLAMA_FAMILIES}"
+    if (why := logit_transform(config)) is not None:
+        return why
     head = inner.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         return f"its output head is a {type(head).__name__}, not a Linear layer"
@@ -345,8 +355,8 @@ def packing_reason(model) -> str | None:
     None, position ids restarting at 0 per sequence); else why not."""
     inner = hf_model(model)
     family = getattr(getattr(inner, "config", None), "model_type", None)
-    if family not in FUSED_HEAD_FAMILIES:
-        return f"model_type {family!r} is not one of {FUSED_HEAD_FAMILIES}"
+    if family not in LLAMA_FAMILIES:
+        return f"model_type {family!r} is not one of {LLAMA_FAMILIES}"
     try:
         from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
     except ImportError:
@@ -376,8 +386,8 @@ def prompt_sharing_reason(model) -> str | None:
     inner = hf_model(model)
     config = getattr(inner, "config", None)
     family = getattr(config, "model_type", None)
-    if family not in FUSED_HEAD_FAMILIES:
-        return f"model_type {family!r} is not one of {FUSED_HEAD_FAMILIES}"
+    if family not in LLAMA_FAMILIES:
+        return f"model_type {family!r} is not one of {LLAMA_FAMILIES}"
     attn = getattr(config, "_attn_implementation", None)
     if attn != "sdpa":
         return f"its attention implementation is {attn!r}, not 'sdpa' (a boolean 4D mask needs SDPA)"

@@ -1,7 +1,8 @@
 """grpokit's own forward for sampling from Llama-family decoders, with a preallocated KV cache.
 
-What it does: for the families in :data:`FAMILIES` (Llama, Qwen2, Qwen3, Mistral: pre-norm RMSNorm
-blocks, rotary positions, grouped-query attention, a SiLU-gated MLP, logits = ``lm_head(norm(h))``)
+What it does: for the families in :data:`~grpokit.models.loading.LLAMA_FAMILIES` (Llama, Qwen2,
+Qwen3, Mistral: pre-norm RMSNorm blocks, rotary positions, grouped-query attention, a SiLU-gated
+MLP, logits = ``lm_head(norm(h))``)
 :class:`OwnDecoder` runs the model's own weights with a few tensor operations per layer instead
 of the Hugging Face module tree, and keeps the keys and values in one buffer per layer, allocated
 once at the prompt pass for the prompt plus every new token and written in place (no per-step
@@ -39,9 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpokit.models.loading import hf_model, sliding_window, vanilla_lora
-
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+from grpokit.models.loading import LLAMA_FAMILIES, hf_model, logit_transform, sliding_window, vanilla_lora
 
 
 def own_decoder_reason(model, capacity: int | None = None, gathered: bool = False) -> str | None:
@@ -52,13 +51,12 @@ def own_decoder_reason(model, capacity: int | None = None, gathered: bool = Fals
     inner = hf_model(model)
     config = getattr(inner, "config", None)
     family = getattr(config, "model_type", None)
-    if family not in FAMILIES:
-        return f"model_type {family!r} is not one of {FAMILIES}"
+    if family not in LLAMA_FAMILIES:
+        return f"model_type {family!r} is not one of {LLAMA_FAMILIES}"
     if getattr(config, "hidden_act", None) != "silu":
         return f"its MLP activation is {getattr(config, 'hidden_act', None)!r}, not silu"
-    for key in ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(config, key, None) not in (None, 1, 1.0):
-            return f"the model scales or caps its logits ({key}={getattr(config, key)})"
+    if (why := logit_transform(config)) is not None:
+        return why
     window = sliding_window(config)
     if window is not None and (capacity is None or capacity > window):
         return f"sliding-window attention (window {window}) that the sequence may outgrow"
