@@ -34,7 +34,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from grpokit.models.loading import LLAMA_FAMILIES, hf_model
+from grpokit.models.loading import family_reason, hf_model
 
 
 class RMSNormFn(torch.autograd.Function):
@@ -128,9 +128,8 @@ def fuse_layers(model) -> str | None:
     were rebound, else why one or both were left as they are."""
     inner = hf_model(model)
     config = getattr(inner, "config", None)
-    family = getattr(config, "model_type", None)
-    if family not in LLAMA_FAMILIES:
-        return f"model_type {family!r} is not one of {LLAMA_FAMILIES}"
+    if (why := family_reason(config)) is not None:
+        return why
     norms = [
         m for m in inner.modules() if type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon")
     ]

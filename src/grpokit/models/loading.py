@@ -301,9 +301,17 @@ def accepts_kwarg(model, name: str) -> bool:
 
 # Decoders with Llama's layout: pre-norm RMSNorm blocks, rotary positions, grouped-query attention,
 # a SiLU-gated MLP, logits = lm_head(norm(hidden)) unless the config caps or scales them
-# (:func:`logit_transform`). The sampler's own decode path, the fused layers, the loss's fused head
-# and padding-free packing serve these families.
+# (:func:`logit_transform`). The sampler's own decode path, the fused layers, the loss's fused head,
+# padding-free packing and prompt sharing serve these families.
 LLAMA_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def family_reason(config) -> str | None:
+    """Why ``config``'s model (None: no config) is not one of :data:`LLAMA_FAMILIES`, or None."""
+    family = getattr(config, "model_type", None)
+    if family not in LLAMA_FAMILIES:
+        return f"model_type {family!r} is not one of {LLAMA_FAMILIES}"
+    return None
 
 
 def logit_transform(config) -> str | None:
@@ -319,10 +327,7 @@ def fused_head_reason(model) -> str | None:
     (``algo.hidden_token_logprobs``, the full [B, T, V] logits never formed); else why not."""
     inner = getattr(model, "module", model)  # DDP
     config = getattr(inner, "config", None)
-    family = getattr(config, "model_type", None)
-    if family not in LLAMA_FAMILIES:
-        return f"model_type {family!r} is not one of {LLAMA_FAMILIES}"
-    if (why := logit_transform(config)) is not None:
+    if (why := family_reason(config) or logit_transform(config)) is not None:
         return why
     head = inner.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
@@ -354,9 +359,8 @@ def packing_reason(model) -> str | None:
     family builds its attention mask with transformers' packed-sequence detection (attention mask
     None, position ids restarting at 0 per sequence); else why not."""
     inner = hf_model(model)
-    family = getattr(getattr(inner, "config", None), "model_type", None)
-    if family not in LLAMA_FAMILIES:
-        return f"model_type {family!r} is not one of {LLAMA_FAMILIES}"
+    if (why := family_reason(getattr(inner, "config", None))) is not None:
+        return why
     try:
         from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
     except ImportError:
@@ -385,9 +389,8 @@ def prompt_sharing_reason(model) -> str | None:
     inside the window (``SharingCosts.window``), where the window cuts nothing."""
     inner = hf_model(model)
     config = getattr(inner, "config", None)
-    family = getattr(config, "model_type", None)
-    if family not in LLAMA_FAMILIES:
-        return f"model_type {family!r} is not one of {LLAMA_FAMILIES}"
+    if (why := family_reason(config)) is not None:
+        return why
     attn = getattr(config, "_attn_implementation", None)
     if attn != "sdpa":
         return f"its attention implementation is {attn!r}, not 'sdpa' (a boolean 4D mask needs SDPA)"

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grpokit.models.loading import LLAMA_FAMILIES, hf_model, logit_transform, sliding_window, vanilla_lora
+from grpokit.models.loading import family_reason, hf_model, logit_transform, sliding_window, vanilla_lora
 
 
 def own_decoder_reason(model, capacity: int | None = None, gathered: bool = False) -> str | None:
@@ -50,9 +50,8 @@ def own_decoder_reason(model, capacity: int | None = None, gathered: bool = Fals
     are no reason."""
     inner = hf_model(model)
     config = getattr(inner, "config", None)
-    family = getattr(config, "model_type", None)
-    if family not in LLAMA_FAMILIES:
-        return f"model_type {family!r} is not one of {LLAMA_FAMILIES}"
+    if (why := family_reason(config)) is not None:
+        return why
     if getattr(config, "hidden_act", None) != "silu":
         return f"its MLP activation is {getattr(config, 'hidden_act', None)!r}, not silu"
     if (why := logit_transform(config)) is not None:
