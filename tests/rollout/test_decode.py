@@ -22,7 +22,14 @@ from transformers import (
 
 from grpokit.models.loading import keep_head_float32, mixed_precision
 from grpokit.models.tiny import char_tokenizer
-from grpokit.rollout.decode import HFDecoder, OwnDecoder, decoder_for, own_decoder_reason
+from grpokit.rollout.decode import (
+    HFDecoder,
+    OwnDecoder,
+    Packed,
+    decoder_for,
+    onednn_linear_available,
+    own_decoder_reason,
+)
 from grpokit.rollout.sampler import SamplingParams, encode_prompts, sample
 
 PROMPTS = ["12+34=", "5=", "7*8-1=", "sort:9381="]  # different lengths: left padding differs per row
@@ -199,7 +206,78 @@ def test_under_bfloat16_autocast_the_own_path_follows_hf():
         torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=0.05)
 
 
-@pytest.mark.parametrize("case", ["own", "own-unfused-frozen", "own-lora", "hf"])
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="no oneDNN linear in this torch")
+
+
+@needs_onednn
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_projections_packed_for_onednn_give_hf_logits_and_tokens(family, precision, monkeypatch):
+    """With every projection and the head packed for oneDNN (PACK_NUMEL 0 here; by default only
+    weights of 2^17 entries or more), logits follow HF's to float32 rounding (bfloat16's under
+    autocast) and the sampler draws HF's tokens."""
+    monkeypatch.setattr("grpokit.rollout.decode.PACK_NUMEL", 0)
+    model, tok = build(family)
+    torch.manual_seed(0)
+    with torch.no_grad():  # HF starts biases at 0, which would hide a bias the packed path dropped
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.3)
+    keep_head_float32(model)
+    ids, mask = encode_prompts(tok, PROMPTS)
+    bf16 = precision == "bfloat16"
+    ctx, atol = (mixed_precision("cpu", "bfloat16"), 0.05) if bf16 else (contextlib.nullcontext(), 1e-5)
+    if bf16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bfloat16 oneDNN kernels")
+    with torch.no_grad(), ctx:
+        own, hf = OwnDecoder(model), HFDecoder(model)
+        layer = own.layers[0]
+        for linear in (*layer.qkv, layer.o, *layer.gate_up, layer.down):
+            assert isinstance(linear, Packed) and linear.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        own_logits, own_state = own.prefill(ids, mask, 3, ids.shape[1] + 5)
+        hf_logits, hf_state = hf.prefill(ids, mask, 3, ids.shape[1] + 5)
+        assert isinstance(own._head, Packed) and own._head.dtype == torch.float32  # the head stays float32
+        for t in range(5):
+            assert own_logits.dtype == torch.float32
+            torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=atol)
+            nxt = hf_logits.argmax(-1)
+            if t == 2:  # rows leave the batch mid-way
+                keep = torch.tensor([0, 2, 3, 5, 7, 8, 11])
+                own.select(own_state, keep)
+                hf.select(hf_state, keep)
+                nxt = nxt[keep]
+            own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
+        torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=atol)
+    if bf16:
+        return
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    runs = {
+        mode: sample(model, tok, PROMPTS, 4, replace(params, decode=mode), torch.Generator().manual_seed(7))
+        for mode in ("hf", "auto")
+    }  # fmt: skip
+    assert torch.equal(runs["auto"].completion_ids, runs["hf"].completion_ids)
+    torch.testing.assert_close(runs["auto"].sampler_logp, runs["hf"].sampler_logp, rtol=0, atol=1e-5)
+
+
+@needs_onednn
+def test_only_large_projections_on_a_cpu_and_never_lora_ones_are_packed(monkeypatch):
+    from grpokit.models.loading import load_model
+
+    def packed(own):
+        return [isinstance(x, Packed) for y in own.layers for x in (*y.qkv, y.o, *y.gate_up, y.down)]
+
+    tiny, _ = load_model("tiny")  # 8,192 .. 24,576-entry weights: F.linear's fewer microseconds win
+    assert not any(packed(OwnDecoder(tiny)))
+    tok = char_tokenizer()
+    config = {**SMALL, "hidden_size": 384, "intermediate_size": 384, "head_dim": 96}
+    wide = LlamaForCausalLM(LlamaConfig(**config, vocab_size=len(tok))).eval()  # 147,456-entry o / down
+    assert all(packed(OwnDecoder(wide)))
+    monkeypatch.setattr("grpokit.rollout.decode.PACK_NUMEL", 0)
+    lora, _ = lora_model("llama")  # peft's arithmetic, as it is
+    assert not any(packed(OwnDecoder(lora)))
+
+
+@pytest.mark.parametrize("case", ["own", "own-unfused-frozen", "own-packed", "own-lora", "hf"])
 def test_under_autocast_a_sampler_call_casts_each_weight_once(case, monkeypatch):
     """Autocast keeps its casts of the weights for the rest of its context, but not under inference
     mode, and never for tensors that are not trainable leaves (the own path's fused copies, frozen
@@ -212,6 +290,8 @@ def test_under_autocast_a_sampler_call_casts_each_weight_once(case, monkeypatch)
     if case == "own-unfused-frozen":
         monkeypatch.setattr("grpokit.rollout.decode.FUSE_BYTES", 0)
         model.requires_grad_(False)
+    if case == "own-packed":  # packed copies are made in bfloat16 once per call
+        monkeypatch.setattr("grpokit.rollout.decode.PACK_NUMEL", 0)
     weight_shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     weight_shapes |= {(64, 32), (128, 32)}  # the own path's fused q/k/v and gate/up
     params = SamplingParams(max_new_tokens=8, temperature=0, decode=decode)  # 3 rows per prompt: 12

@@ -129,6 +129,11 @@ def _float32_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return type(self).forward(self, hidden.float())
 
 
+def kept_float32(head: torch.nn.Module) -> bool:
+    """Whether :func:`keep_head_float32` bound ``head``'s forward (float32 whatever autocast says)."""
+    return getattr(vars(head).get("forward"), "__func__", None) is _float32_head_forward
+
+
 def keep_head_float32(model) -> None:
     """Run the output projection (the vocabulary logits) in float32 even under autocast.
 

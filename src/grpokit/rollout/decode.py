@@ -35,12 +35,21 @@ C cache capacity (L + max new tokens), H query heads, K kv heads, D head dim, V 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from grpokit.models.loading import family_reason, hf_model, logit_transform, sliding_window, vanilla_lora
+from grpokit.models.loading import (
+    family_reason,
+    hf_model,
+    kept_float32,
+    logit_transform,
+    sliding_window,
+    vanilla_lora,
+)
 
 
 def own_decoder_reason(model, capacity: int | None = None, gathered: bool = False) -> str | None:
@@ -99,8 +108,27 @@ def _lora_reason(layer) -> str | None:
     return None
 
 
-# (weight, bias) for F.linear, no module hooks; or with peft's LoRA (weight, bias, A, B, scaling)
+# (weight, bias) for F.linear, no module hooks; with peft's LoRA (weight, bias, A, B, scaling); or Packed
 Linear = tuple
+
+
+class Packed(NamedTuple):
+    """A projection whose weight oneDNN has reordered into its blocked matmul layout (see PACK_NUMEL)."""
+
+    weight: torch.Tensor  # torch._mkldnn layout, [out, in]
+    bias: torch.Tensor | None
+    dtype: torch.dtype  # the inputs' dtype: cast to it by hand (autocast does not see oneDNN's op)
+
+
+# On a CPU, a projection with at least this many weights runs oneDNN's matmul on a copy of its weight
+# reordered once per sampler call into oneDNN's blocked layout (what PyTorch's own CPU inference
+# compiler does with frozen weights), instead of F.linear's MKL matmul. Measured on a 2-core AMD EPYC
+# (docs/benchmarks.md): for the 8-64 rows of a decode step the reordered product is 1.2-2.4x faster
+# at SmolLM2's layer shapes, 2.4x for its [32, 576] x [576, 49152] head, and 1.2-1.8x at the 3M
+# model's shapes; its ~14 us call overhead makes weights of the shipped tiny model's size slower.
+# Values differ from F.linear's by rounding (another summation order): greedy tokens and sampled
+# ones for the same uniforms stay HF's in float32 in the tests, log-probs to 1e-5.
+PACK_NUMEL = 2**17
 
 # Up to this many bytes of weights per call, a layer's q/k/v projections (and gate/up) are
 # concatenated into one matmul each: small models pay per operation, not per flop, and the copy is
@@ -162,6 +190,7 @@ class OwnDecoder:
         # weights) are cast once here: the same values, not once per step (see _cast)
         device_type = self.embed.device.type
         cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        pack = _pack_dtype(self.embed, cast)
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
@@ -170,16 +199,17 @@ class OwnDecoder:
                 _Layer(
                     layer.input_layernorm.weight,
                     layer.post_attention_layernorm.weight,
-                    _maybe_fused([a.q_proj, a.k_proj, a.v_proj], fuse, cast),
-                    _projection(a.o_proj, cast),
-                    _maybe_fused([m.gate_proj, m.up_proj], fuse, cast),
-                    _projection(m.down_proj, cast),
+                    _maybe_fused([a.q_proj, a.k_proj, a.v_proj], fuse, cast, pack),
+                    _projection(a.o_proj, cast, pack),
+                    _maybe_fused([m.gate_proj, m.up_proj], fuse, cast, pack),
+                    _projection(m.down_proj, cast, pack),
                     None if qn is None else qn.weight,
                     None if kn is None else kn.weight,
                 )
             )
         self.rope = None  # [C, 2D] rotary table: cos | signed sin (see _signed), made at the prompt pass
         self._logits_buf: torch.Tensor | None = None  # see _logits
+        self._head: Linear | None = None  # the float32 head as _pack leaves it (see _float32_logits)
 
     def prefill(
         self, ids_PL: torch.Tensor, mask_PL: torch.Tensor, group_size: int, capacity: int
@@ -284,24 +314,38 @@ class OwnDecoder:
         state.key_bias, state.positions = state.key_bias[:m], state.positions[keep_b]
 
     def _logits(self, hidden_bd: torch.Tensor) -> torch.Tensor:
-        """The next-token logits [b, V]. A plain float32 head (no autocast, no hook, forward not
-        replaced) writes into one buffer reused by every step, valid until the next call: a fresh
-        [64, 151936] tensor per step costs its page faults again (66.7 vs 54.3 ms per step)."""
+        """The next-token logits [b, V]. A float32 head (a plain one outside autocast, no hook, or
+        :func:`~grpokit.models.loading.keep_head_float32`'s) is computed by :meth:`_float32_logits`;
+        any other head is called as the module."""
         h_bd = _rms_norm(hidden_bd, self.norm, self.eps)
-        head = self.head
-        plain = (
-            h_bd.dtype == head.weight.dtype == torch.float32
-            and "forward" not in vars(head)
+        head, device_type = self.head, h_bd.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        if not (
+            type(head) is torch.nn.Linear
+            and head.weight.dtype == torch.float32
             and not (head._forward_hooks or head._forward_pre_hooks)
-            and not torch.is_autocast_enabled(h_bd.device.type)
-        )
-        if not plain:
+            and (kept_float32(head) or ("forward" not in vars(head) and not autocast))
+        ):
             return head(h_bd)
-        b, V = h_bd.shape[0], head.weight.shape[0]
+        if not autocast:
+            return self._float32_logits(h_bd)
+        with torch.autocast(device_type, enabled=False):
+            return self._float32_logits(h_bd.float())
+
+    def _float32_logits(self, h_bd: torch.Tensor) -> torch.Tensor:
+        """The float32 head's logits: packed for oneDNN (PACK_NUMEL), or else written into one buffer
+        reused by every step, valid until the next call (a fresh [64, 151936] tensor per step costs
+        its page faults again: 66.7 vs 54.3 ms per step)."""
+        weight, bias = self.head.weight, self.head.bias
+        if self._head is None:  # packed once per call (the decoder's life)
+            self._head = _pack((weight, bias), _pack_dtype(weight, None))
+        if type(self._head) is Packed:
+            return _linear(self._head, h_bd)
+        b, V = h_bd.shape[0], weight.shape[0]
         if self._logits_buf is None or self._logits_buf.shape[0] < b:
             self._logits_buf = h_bd.new_empty((b, V))
-        out_bV = torch.matmul(h_bd, head.weight.t(), out=self._logits_buf[:b])
-        return out_bV if head.bias is None else out_bV.add_(head.bias)
+        out_bV = torch.matmul(h_bd, weight.t(), out=self._logits_buf[:b])
+        return out_bV if bias is None else out_bV.add_(bias)
 
     def _forward(self, ids, positions, attend, keys, values, start: int, prefill: bool = False):
         """The last hidden states [b*Q, d] of ``ids`` [b, Q] (rows in (b, Q) order). Every token is one
@@ -368,18 +412,20 @@ def _projections(layer) -> tuple:
     return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
 
 
-def _maybe_fused(linears: list[torch.nn.Module], fuse: bool, cast: torch.dtype | None) -> list[Linear]:
+def _maybe_fused(
+    linears: list[torch.nn.Module], fuse: bool, cast: torch.dtype | None, pack: torch.dtype | None
+) -> list[Linear]:
     """The projections as :func:`_projection` reads them, or with ``fuse`` (plain Linear layers
     only) one (weight, bias) pair of their concatenation; in dtype ``cast`` when it is not None
-    (see :func:`_cast`)."""
+    (see :func:`_cast`), packed as :func:`_pack` says."""
     if not fuse:
-        return [_projection(x, cast) for x in linears]
+        return [_projection(x, cast, pack) for x in linears]
     pairs = [(x.weight, x.bias) for x in linears]
     weight = torch.cat([w for w, _ in pairs])
     if all(bias is None for _, bias in pairs):
-        return [_cast((weight, None), cast)]
+        return [_pack(_cast((weight, None), cast), pack)]
     bias = torch.cat([bias if bias is not None else w.new_zeros(w.shape[0]) for w, bias in pairs])
-    return [_cast((weight, bias), cast)]
+    return [_pack(_cast((weight, bias), cast), pack)]
 
 
 def _cast(linear: Linear, dtype: torch.dtype | None) -> Linear:
@@ -400,19 +446,60 @@ def _cast(linear: Linear, dtype: torch.dtype | None) -> Linear:
     )
 
 
-def _projection(layer: torch.nn.Module, cast: torch.dtype | None) -> Linear:
-    """A plain ``Linear`` as (weight, bias); peft's LoRA ``Linear`` (:func:`_lora_reason`) as
-    (weight, bias, A, B, scaling) of its base layer and active adapter. The base is cast as
-    :func:`_cast` says (a frozen base under LoRA: once per call); A and B are trainable, so
-    autocast casts them once per context itself."""
+def _projection(layer: torch.nn.Module, cast: torch.dtype | None, pack: torch.dtype | None) -> Linear:
+    """A plain ``Linear`` as (weight, bias), or :class:`Packed` as :func:`_pack` says; peft's LoRA
+    ``Linear`` (:func:`_lora_reason`) as (weight, bias, A, B, scaling) of its base layer and active
+    adapter, unpacked (peft's arithmetic). The base is cast as :func:`_cast` says (a frozen base
+    under LoRA: once per call); A and B are trainable, so autocast casts them once per context
+    itself."""
     if type(layer) is torch.nn.Linear:
-        return _cast((layer.weight, layer.bias), cast)
+        return _pack(_cast((layer.weight, layer.bias), cast), pack)
     (name,) = layer.active_adapters
     base = _cast((layer.base_layer.weight, layer.base_layer.bias), cast)
     return (*base, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name])
 
 
+def _pack_dtype(weight: torch.Tensor, cast: torch.dtype | None) -> torch.dtype | None:
+    """The dtype in which projections of ``weight``'s device and dtype run packed for oneDNN
+    (PACK_NUMEL), or None: not on a CPU, no oneDNN in this torch build, or a dtype other than
+    float32 and (where the CPU computes it natively) bfloat16. ``cast``: autocast's dtype, if on."""
+    if weight.device.type != "cpu" or not onednn_linear_available():
+        return None
+    dtype = cast if cast is not None else weight.dtype
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return dtype
+    return None
+
+
+@functools.cache
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN and the two operators :class:`Packed` uses (they are
+    PyTorch's internal ones, which its CPU compiler emits; without them every projection runs F.linear)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _pack(linear: Linear, dtype: torch.dtype | None) -> Linear:
+    """(weight, bias) as :class:`Packed` in ``dtype`` when it is not None and the weight has at least
+    PACK_NUMEL entries; else as it is. The reordered copy lives as long as the decoder (one sampler
+    call): the policy's weights change between calls."""
+    weight, bias = linear
+    if dtype is None or weight.numel() < PACK_NUMEL:
+        return linear
+    weight = weight.detach().to(dtype)
+    bias = None if bias is None else bias.detach().to(dtype)
+    return Packed(torch.ops.mkldnn._reorder_linear_weight(weight), bias, dtype)
+
+
 def _linear(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    if type(linear) is Packed:
+        x = x.to(linear.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "none", [], "")
     out = F.linear(x, linear[0], linear[1])
     if len(linear) == 2:
         return out
