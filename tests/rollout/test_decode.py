@@ -424,8 +424,10 @@ def test_rows_leaving_move_to_the_front_of_the_same_buffers():
         torch.testing.assert_close(own.step(nxt, state), hf.step(nxt, hf_state), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("decode", ["auto", "hf"])
-def test_the_trainer_samples_on_the_path_rollout_decode_names(tmp_path, tiny_dir, monkeypatch, decode):
+@pytest.mark.parametrize("decode,reorder", [("auto", True), ("auto", False), ("hf", True)])
+def test_the_trainer_samples_on_the_path_rollout_decode_names(
+    tmp_path, tiny_dir, monkeypatch, decode, reorder
+):
     import grpokit.rollout.sampler as sampler_module
     from grpokit.config import load_config
     from grpokit.train.trainer import GRPOTrainer
@@ -433,19 +435,42 @@ def test_the_trainer_samples_on_the_path_rollout_decode_names(tmp_path, tiny_dir
 
     used = []
 
-    def spy(model, mode, capacity):
-        used.append(decoder_for(model, mode, capacity).name)
-        return decoder_for(model, mode, capacity)
+    def spy(model, mode, capacity, reorder_weights):
+        decoder = decoder_for(model, mode, capacity, reorder_weights)
+        used.append((decoder.name, getattr(decoder, "reorder", None)))
+        return decoder
 
     monkeypatch.setattr(sampler_module, "decoder_for", spy)
     sets = {
         "model.name_or_path": str(tiny_dir), "train.output_dir": str(tmp_path / "run"),
         "train.quiet": True, "train.max_steps": 1, "train.prompts_per_step": 2, "rollout.group_size": 2,
         "rollout.max_new_tokens": 4, "train.eval_max_prompts": 2, "rollout.decode": decode,
+        "rollout.reorder_weights": reorder,
     }  # fmt: skip
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     GRPOTrainer(cfg, rewards=[varied]).train()
-    assert used and set(used) == {"own" if decode == "auto" else "hf"}  # training and evaluation
+    # training and evaluation
+    assert used and set(used) == ({("own", reorder)} if decode == "auto" else {("hf", None)})
+
+
+@needs_onednn
+def test_reorder_weights_false_packs_nothing(monkeypatch):
+    monkeypatch.setattr("grpokit.rollout.decode.PACK_NUMEL", 0)
+    model, tok = build("qwen2")
+    ids, mask = encode_prompts(tok, PROMPTS)
+    own = OwnDecoder(model, reorder=False)
+    layer = own.layers[0]
+    assert not any(isinstance(x, Packed) for x in (*layer.qkv, layer.o, *layer.gate_up, layer.down))
+    with torch.no_grad():
+        logits, state = own.prefill(ids, mask, 2, ids.shape[1] + 2)
+        own.step(logits.argmax(-1), state)
+    assert own._head is not None and not isinstance(own._head, Packed)
+    p = SamplingParams(max_new_tokens=8, temperature=1.0)
+    runs = [
+        sample(model, tok, PROMPTS, 2, replace(p, reorder_weights=r), torch.Generator().manual_seed(1))
+        for r in (True, False)
+    ]
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
 
 
 def test_the_trainer_says_once_why_a_model_takes_the_hf_path(tmp_path, capsys):

@@ -173,7 +173,8 @@ class OwnDecoder:
     name = "own"
     keep_finished = 0.25  # finished rows stay in the batch until they are over this share of it
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, reorder: bool = True) -> None:
+        """``reorder`` False: no projection is packed for oneDNN (no weight copies; PACK_NUMEL)."""
         inner = hf_model(model)
         config, base = inner.config, inner.model
         self.H, self.K = config.num_attention_heads, config.num_key_value_heads
@@ -194,7 +195,8 @@ class OwnDecoder:
         # weights) are cast once here: the same values, not once per step (see _cast)
         device_type = self.embed.device.type
         cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-        pack = _pack_dtype(self.embed, cast)
+        pack = _pack_dtype(self.embed, cast) if reorder else None
+        self.reorder = reorder
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
@@ -342,7 +344,7 @@ class OwnDecoder:
         its page faults again: 66.7 vs 54.3 ms per step)."""
         weight, bias = self.head.weight, self.head.bias
         if self._head is None:  # packed once per call (the decoder's life)
-            self._head = _pack((weight, bias), _pack_dtype(weight, None))
+            self._head = _pack((weight, bias), _pack_dtype(weight, None) if self.reorder else None)
         if type(self._head) is Packed:
             return _linear(self._head, h_bd)
         b, V = h_bd.shape[0], weight.shape[0]
@@ -581,11 +583,12 @@ class HFDecoder:
         state[1] = state[1][keep_b]
 
 
-def decoder_for(model, decode: str, capacity: int) -> OwnDecoder | HFDecoder:
+def decoder_for(model, decode: str, capacity: int, reorder: bool = True) -> OwnDecoder | HFDecoder:
     """``decode``: ``auto`` (grpokit's own path where :func:`own_decoder_reason` allows, else HF's)
-    or ``hf`` (always the model's own forward)."""
+    or ``hf`` (always the model's own forward). ``reorder``: the own path may pack projections for
+    oneDNN (:class:`OwnDecoder`)."""
     if decode not in ("auto", "hf"):
         raise ValueError(f"decode must be 'auto' or 'hf', got {decode!r}")
     if decode == "auto" and own_decoder_reason(model, capacity) is None:
-        return OwnDecoder(model)
+        return OwnDecoder(model, reorder)
     return HFDecoder(model)

@@ -50,6 +50,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     # the built-in sampler's forward: auto (grpokit's own where rollout.decode serves the model) | hf
     decode: str = "auto"
+    # own path on a CPU: large projections on oneDNN with weights reordered per call (rollout.decode)
+    reorder_weights: bool = True
 
 
 @dataclass
@@ -213,7 +215,7 @@ def sample(
     with sampling_mode(model):
         u_TB = uniforms(params.max_new_tokens, total, row_offset, B, params.temperature, generator, device)
         capacity = prompt_ids.shape[1] + params.max_new_tokens
-        decoder = decoder_for(model, params.decode, capacity)
+        decoder = decoder_for(model, params.decode, capacity, params.reorder_weights)
         logits_bV, state = decoder.prefill(
             prompt_ids.to(device), prompt_mask.to(device), group_size, capacity
         )

@@ -37,9 +37,11 @@ def evaluate(
     answer_column: str = "answer",
     episodes: EpisodeSpec | None = None,
     decode: str = "auto",
+    reorder_weights: bool = True,
 ) -> dict:
     """Greedy pass@1 over ``prompts`` (with their dataset ``rows`` as reward columns); with
     ``episodes``, of multi-turn episodes (the examples then also hold each ``transcript``).
+    ``decode`` / ``reorder_weights``: the sampler's, as ``rollout.decode`` / ``rollout.reorder_weights``.
 
     ``prompt_column`` / ``answer_column`` name the dataset columns (the answer reaches the rewards
     as ``answer``, as in training).
@@ -48,7 +50,7 @@ def evaluate(
     (prompts the verifier scored), "examples"}``; ``examples`` holds the first five prompts with
     their completion, reward and ``answer`` column.
     """
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop, decode=decode)
+    params = SamplingParams(max_new_tokens, 0.0, stop=stop, decode=decode, reorder_weights=reorder_weights)
     totals, verified, examples = [], [], []
     for s in range(0, len(prompts), batch_size):
         chunk_rows, chunk_prompts = rows[s : s + batch_size], prompts[s : s + batch_size]
@@ -194,5 +196,6 @@ def evaluate_sharded(
             answer_column=d.answer_column,
             episodes=episodes,
             decode=cfg.rollout.decode,
+            reorder_weights=cfg.rollout.reorder_weights,
         )
     return combine_evaluations(dist.all_gather_objects(result)) if dist.enabled else result
