@@ -77,20 +77,27 @@ def test_every_served_family_takes_the_own_path(family):
 def test_prefill_and_steps_give_hf_logits(family):
     model, tok = build(family)
     ids, mask = encode_prompts(tok, PROMPTS)
-    own, hf = OwnDecoder(model), HFDecoder(model)
     with torch.no_grad():
-        own_logits, own_state = own.prefill(ids, mask, 3, ids.shape[1] + 6)
-        hf_logits, hf_state = hf.prefill(ids, mask, 3, ids.shape[1] + 6)
-        torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=1e-5)
-        for t in range(6):
-            nxt = hf_logits.argmax(-1)
-            if t == 3:  # rows leave the batch mid-way
-                keep = torch.tensor([0, 2, 3, 5, 7, 8, 11])
-                own.select(own_state, keep)
-                hf.select(hf_state, keep)
-                nxt = nxt[keep]
-            own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
-            torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=1e-5)
+        follow_hf(OwnDecoder(model), HFDecoder(model), ids, mask, steps=6, atol=1e-5)
+
+
+def follow_hf(own, hf, ids, mask, steps: int, atol: float) -> None:
+    """Prefill G = 3 rows per prompt on both decoders, then ``steps`` greedy steps on HF's tokens,
+    rows leaving the batch half-way: the logits agree to ``atol`` at every step (float32)."""
+    own_logits, own_state = own.prefill(ids, mask, 3, ids.shape[1] + steps)
+    hf_logits, hf_state = hf.prefill(ids, mask, 3, ids.shape[1] + steps)
+    for t in range(steps + 1):
+        assert own_logits.dtype == torch.float32
+        torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=atol)
+        if t == steps:
+            return
+        nxt = hf_logits.argmax(-1)
+        if t == steps // 2:  # rows leave the batch mid-way
+            keep = torch.tensor([0, 2, 3, 5, 7, 8, 11])
+            own.select(own_state, keep)
+            hf.select(hf_state, keep)
+            nxt = nxt[keep]
+        own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -234,29 +241,22 @@ def test_projections_packed_for_onednn_give_hf_logits_and_tokens(family, precisi
         layer = own.layers[0]
         for linear in (*layer.qkv, layer.o, *layer.gate_up, layer.down):
             assert isinstance(linear, Packed) and linear.dtype == (torch.bfloat16 if bf16 else torch.float32)
-        own_logits, own_state = own.prefill(ids, mask, 3, ids.shape[1] + 5)
-        hf_logits, hf_state = hf.prefill(ids, mask, 3, ids.shape[1] + 5)
+        follow_hf(own, hf, ids, mask, steps=5, atol=atol)
         assert isinstance(own._head, Packed) and own._head.dtype == torch.float32  # the head stays float32
-        for t in range(5):
-            assert own_logits.dtype == torch.float32
-            torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=atol)
-            nxt = hf_logits.argmax(-1)
-            if t == 2:  # rows leave the batch mid-way
-                keep = torch.tensor([0, 2, 3, 5, 7, 8, 11])
-                own.select(own_state, keep)
-                hf.select(hf_state, keep)
-                nxt = nxt[keep]
-            own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
-        torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=atol)
     if bf16:
         return
-    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    sample_as_hf(model, tok, SamplingParams(max_new_tokens=24, temperature=1.0))
+
+
+def sample_as_hf(model, tok, params: SamplingParams):
+    """The HF and the own path's rollouts of the same seed: the same tokens, log-probs to 1e-5."""
     runs = {
         mode: sample(model, tok, PROMPTS, 4, replace(params, decode=mode), torch.Generator().manual_seed(7))
         for mode in ("hf", "auto")
     }  # fmt: skip
     assert torch.equal(runs["auto"].completion_ids, runs["hf"].completion_ids)
     torch.testing.assert_close(runs["auto"].sampler_logp, runs["hf"].sampler_logp, rtol=0, atol=1e-5)
+    return runs
 
 
 @needs_onednn
@@ -346,12 +346,7 @@ def test_lora_models_take_the_own_path_and_sample_the_hf_tokens(family, params):
     # the own path runs peft's vanilla LoRA term itself: x W^T + b + s * (x A^T) B^T
     model, tok = lora_model(family)
     assert own_decoder_reason(model, 90) is None and isinstance(decoder_for(model, "auto", 90), OwnDecoder)
-    runs = {
-        mode: sample(model, tok, PROMPTS, 4, replace(params, decode=mode), torch.Generator().manual_seed(7))
-        for mode in ("hf", "auto")
-    }  # fmt: skip
-    assert torch.equal(runs["auto"].completion_ids, runs["hf"].completion_ids)
-    torch.testing.assert_close(runs["auto"].sampler_logp, runs["hf"].sampler_logp, rtol=0, atol=1e-5)
+    runs = sample_as_hf(model, tok, params)
     with model.disable_adapter():  # the adapters matter: without them the tokens differ
         base = sample(model, tok, PROMPTS, 4, replace(params, decode="hf"), torch.Generator().manual_seed(7))
     assert not torch.equal(base.completion_ids, runs["hf"].completion_ids)
