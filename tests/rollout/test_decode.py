@@ -259,12 +259,14 @@ def sample_as_hf(model, tok, params: SamplingParams):
     return runs
 
 
+def packed(own: OwnDecoder) -> list[bool]:
+    """Whether each of the own decoder's layer projections is packed for oneDNN."""
+    return [isinstance(x, Packed) for y in own.layers for x in (*y.qkv, y.o, *y.gate_up, y.down)]
+
+
 @needs_onednn
 def test_only_large_projections_on_a_cpu_and_never_lora_ones_are_packed(monkeypatch):
     from grpokit.models.loading import load_model
-
-    def packed(own):
-        return [isinstance(x, Packed) for y in own.layers for x in (*y.qkv, y.o, *y.gate_up, y.down)]
 
     tiny, _ = load_model("tiny")  # 8,192 .. 24,576-entry weights: F.linear's fewer microseconds win
     assert not any(packed(OwnDecoder(tiny)))
@@ -454,8 +456,7 @@ def test_reorder_weights_false_packs_nothing(monkeypatch):
     model, tok = build("qwen2")
     ids, mask = encode_prompts(tok, PROMPTS)
     own = OwnDecoder(model, reorder=False)
-    layer = own.layers[0]
-    assert not any(isinstance(x, Packed) for x in (*layer.qkv, layer.o, *layer.gate_up, layer.down))
+    assert not any(packed(own))
     with torch.no_grad():
         logits, state = own.prefill(ids, mask, 2, ids.shape[1] + 2)
         own.step(logits.argmax(-1), state)

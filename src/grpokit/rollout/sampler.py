@@ -50,7 +50,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     # the built-in sampler's forward: auto (grpokit's own where rollout.decode serves the model) | hf
     decode: str = "auto"
-    # own path on a CPU: large projections on oneDNN with weights reordered per call (rollout.decode)
+    # own path on a CPU: large projections on oneDNN, weights reordered per call (rollout.reorder_weights)
     reorder_weights: bool = True
 
 
