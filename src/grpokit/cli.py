@@ -91,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--answer-column", default="answer")
     ev.add_argument("--template", help="format string for the prompt, as data.template")
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument(
+        "--decode",
+        choices=("auto", "hf"),
+        default="auto",
+        help="the sampler's forward, as rollout.decode (default auto: grpokit's own where it can)",
+    )
+    ev.add_argument(
+        "--no-reorder-weights",
+        dest="reorder_weights",
+        action="store_false",
+        help="no oneDNN weight copies on the own decode path, for memory (rollout.reorder_weights: false)",
+    )
     ev.add_argument("--out", help="also write the JSON result to this file")
 
     export = sub.add_parser("export", help="write a plain Hugging Face model directory from a run")
@@ -278,8 +290,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     prompts = [format_prompt(r, args.prompt_column, args.template) for r in rows]
     model_dir = _model_dir(args.model)
     model, tok = load_model(model_dir)
-    columns = dict(prompt_column=args.prompt_column, answer_column=args.answer_column)
-    greedy = evaluate(model, tok, rows, prompts, rewards, max_new_tokens=args.max_new_tokens, **columns)
+    options = dict(
+        prompt_column=args.prompt_column,
+        answer_column=args.answer_column,
+        decode=args.decode,
+        reorder_weights=args.reorder_weights,
+    )
+    greedy = evaluate(model, tok, rows, prompts, rewards, max_new_tokens=args.max_new_tokens, **options)
     result = {
         "model": model_dir,
         "task": args.task,
@@ -299,7 +316,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             max_new_tokens=args.max_new_tokens,
             seed=args.seed,
-            **columns,
+            **options,
         )
     text = json.dumps(result, indent=2)
     print(text)

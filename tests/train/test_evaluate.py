@@ -140,3 +140,58 @@ def test_export_gives_a_plain_hf_model_with_the_trained_weights(tmp_path, tiny_d
         text=True,
     )
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+@pytest.fixture()
+def built(monkeypatch):
+    """The (decode, reorder) of every decoder the sampler builds, in order."""
+    import grpokit.rollout.sampler as sampler
+
+    calls, real = [], sampler.decoder_for
+
+    def recording(model, decode, capacity, reorder=True):
+        calls.append((decode, reorder))
+        return real(model, decode, capacity, reorder)
+
+    monkeypatch.setattr(sampler, "decoder_for", recording)
+    return calls
+
+
+@pytest.mark.parametrize("evaluator", ["greedy", "sampled"])
+def test_evaluations_pass_the_decode_options_to_the_sampler(peaky, built, evaluator):
+    """``decode`` / ``reorder_weights`` reach the decoder each evaluation builds, and the HF forward
+    scores what the own path scores."""
+    from grpokit.config import RewardSpec
+    from grpokit.data.tasks import TaskSource
+    from grpokit.rewards.registry import build_rewards
+    from grpokit.train.evaluate import evaluate, evaluate_sampled
+
+    model, tok = peaky
+    held = TaskSource("sort", split="eval", eval_size=6)
+    rows = [held.row(i) for i in range(len(held))]
+    prompts = [r["prompt"] for r in rows]
+    rewards = build_rewards([RewardSpec(name="task_verifier")], task="sort")
+
+    def run(**options):
+        if evaluator == "greedy":
+            return evaluate(model, tok, rows, prompts, rewards, max_new_tokens=8, **options)
+        return evaluate_sampled(
+            model, tok, rows, prompts, rewards, n=4, ks=[1, 4], temperature=1.0, max_new_tokens=8, **options
+        )
+
+    own = run()
+    hf = run(decode="hf", reorder_weights=False)
+    assert built == [("auto", True), ("hf", False)]
+    assert hf == own
+
+
+def test_eval_command_passes_decode_and_no_reorder_weights(built, capsys):
+    from grpokit.cli import main
+
+    args = ["eval", "--model", "tiny", "--task", "sort", "--limit", "3", "--n", "2", "--k", "1", "2"]
+    assert main([*args, "--max-new-tokens", "4", "--decode", "hf", "--no-reorder-weights"]) == 0
+    assert built == [("hf", False), ("hf", False)]  # the greedy pass, then the sampled one
+    assert json.loads(capsys.readouterr().out)["num_prompts"] == 3
+    built.clear()
+    assert main([*args, "--max-new-tokens", "4"]) == 0
+    assert built == [("auto", True), ("auto", True)]

@@ -130,9 +130,12 @@ def evaluate_sampled(
     prompt_column: str = "prompt",
     answer_column: str = "answer",
     episodes: EpisodeSpec | None = None,
+    decode: str = "auto",
+    reorder_weights: bool = True,
 ) -> dict:
     """pass@k (unbiased, from n samples per prompt) and maj@k (majority vote over the first k samples,
     answers compared after stripping whitespace), judged by the verifier rewards.
+    ``decode`` / ``reorder_weights``: the sampler's, as ``rollout.decode`` / ``rollout.reorder_weights``.
 
     Returns ``{"n", "temperature", "reward_mean", "pass@k": {k: ...}, "maj@k": {k: ...}}``.
     """
@@ -141,7 +144,9 @@ def evaluate_sampled(
     bad = [k for k in ks if not 1 <= k <= n]
     if bad:
         raise ConfigError(f"every k must be in [1, n={n}], got {bad}")
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop)
+    params = SamplingParams(
+        max_new_tokens, temperature, stop=stop, decode=decode, reorder_weights=reorder_weights
+    )
     generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     pass_sums = dict.fromkeys(ks, 0.0)
     maj_sums = dict.fromkeys(ks, 0.0)
