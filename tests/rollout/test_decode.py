@@ -274,6 +274,9 @@ def test_only_large_projections_on_a_cpu_and_never_lora_ones_are_packed(monkeypa
     config = {**SMALL, "hidden_size": 384, "intermediate_size": 384, "head_dim": 96}
     wide = LlamaForCausalLM(LlamaConfig(**config, vocab_size=len(tok))).eval()  # 147,456-entry o / down
     assert all(packed(OwnDecoder(wide)))
+    monkeypatch.setattr("grpokit.rollout.decode.FUSE_BYTES", 0)  # as past it: fused only when packed
+    assert [len(x.qkv) for x in OwnDecoder(wide).layers] == [1, 1] and all(packed(OwnDecoder(wide)))
+    assert [len(x.qkv) for x in OwnDecoder(wide, reorder=False).layers] == [3, 3]
     monkeypatch.setattr("grpokit.rollout.decode.PACK_NUMEL", 0)
     lora, _ = lora_model("llama")  # peft's arithmetic, as it is
     assert not any(packed(OwnDecoder(lora)))

@@ -136,7 +136,10 @@ PACK_NUMEL = 2**17
 
 # Up to this many bytes of weights per call, a layer's q/k/v projections (and gate/up) are
 # concatenated into one matmul each: small models pay per operation, not per flop, and the copy is
-# made once per sampler call. Larger models use the weights as they are (no copy, no extra memory).
+# made once per sampler call. Larger models use the weights as they are (no copy, no extra memory),
+# unless they are packed for oneDNN (PACK_NUMEL), a copy anyway: then the concatenation is packed
+# (SmolLM2's k and v, 110,592 entries each, would run F.linear alone; together with q, 8-13% more
+# tokens per second in docs/benchmarks.md).
 FUSE_BYTES = 64 * 2**20
 
 
@@ -190,12 +193,14 @@ class OwnDecoder:
             for layer in base.layers
         )  # about the bytes of the concatenated copies
         lora = any(type(x) is not torch.nn.Linear for layer in base.layers for x in _projections(layer))
-        fuse = fused <= FUSE_BYTES and not lora  # LoRA projections run one by one, as peft runs them
         # under autocast, weights that autocast's cache does not keep (the fused copies, frozen
         # weights) are cast once here: the same values, not once per step (see _cast)
         device_type = self.embed.device.type
         cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         pack = _pack_dtype(self.embed, cast) if reorder else None
+        # LoRA projections run one by one, as peft runs them; packed weights are copies anyway, so
+        # concatenating them first costs no memory past the call's one layer at a time
+        fuse = (fused <= FUSE_BYTES or pack is not None) and not lora
         self.reorder = reorder
         self.layers = []
         for layer in base.layers:
