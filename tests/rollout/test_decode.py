@@ -24,6 +24,7 @@ from grpokit.models.loading import keep_head_float32, mixed_precision
 from grpokit.models.tiny import char_tokenizer
 from grpokit.rollout.decode import (
     HFDecoder,
+    Lora,
     OwnDecoder,
     Packed,
     decoder_for,
@@ -260,12 +261,13 @@ def sample_as_hf(model, tok, params: SamplingParams):
 
 
 def packed(own: OwnDecoder) -> list[bool]:
-    """Whether each of the own decoder's layer projections is packed for oneDNN."""
-    return [isinstance(x, Packed) for y in own.layers for x in (*y.qkv, y.o, *y.gate_up, y.down)]
+    """Whether each of the own decoder's layer projections (a LoRA layer's base) is packed for oneDNN."""
+    projections = [x for y in own.layers for x in (*y.qkv, y.o, *y.gate_up, y.down)]
+    return [isinstance(x.base if isinstance(x, Lora) else x, Packed) for x in projections]
 
 
 @needs_onednn
-def test_only_large_projections_on_a_cpu_and_never_lora_ones_are_packed(monkeypatch):
+def test_only_large_projections_on_a_cpu_are_packed(monkeypatch):
     from grpokit.models.loading import load_model
 
     tiny, _ = load_model("tiny")  # 8,192 .. 24,576-entry weights: F.linear's fewer microseconds win
@@ -277,9 +279,10 @@ def test_only_large_projections_on_a_cpu_and_never_lora_ones_are_packed(monkeypa
     monkeypatch.setattr("grpokit.rollout.decode.FUSE_BYTES", 0)  # as past it: fused only when packed
     assert [len(x.qkv) for x in OwnDecoder(wide).layers] == [1, 1] and all(packed(OwnDecoder(wide)))
     assert [len(x.qkv) for x in OwnDecoder(wide, reorder=False).layers] == [3, 3]
-    monkeypatch.setattr("grpokit.rollout.decode.PACK_NUMEL", 0)
-    lora, _ = lora_model("llama")  # peft's arithmetic, as it is
+    lora, _ = lora_model("llama")  # LoRA's bases as plain layers: small, so F.linear's
     assert not any(packed(OwnDecoder(lora)))
+    monkeypatch.setattr("grpokit.rollout.decode.PACK_NUMEL", 0)
+    assert all(packed(OwnDecoder(lora))) and not any(packed(OwnDecoder(lora, reorder=False)))
 
 
 @pytest.mark.parametrize("case", ["own", "own-unfused-frozen", "own-packed", "own-lora", "hf"])
@@ -347,8 +350,11 @@ def lora_model(family: str = "llama", **config):
     [SamplingParams(max_new_tokens=24, temperature=0), SamplingParams(max_new_tokens=24, temperature=1.0)],
     ids=["greedy", "sampled"],
 )
-def test_lora_models_take_the_own_path_and_sample_the_hf_tokens(family, params):
+@pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_onednn)], ids=["plain", "packed"])
+def test_lora_models_take_the_own_path_and_sample_the_hf_tokens(family, params, pack, monkeypatch):
     # the own path runs peft's vanilla LoRA term itself: x W^T + b + s * (x A^T) B^T
+    if pack:
+        monkeypatch.setattr("grpokit.rollout.decode.PACK_NUMEL", 0)
     model, tok = lora_model(family)
     assert own_decoder_reason(model, 90) is None and isinstance(decoder_for(model, "auto", 90), OwnDecoder)
     runs = sample_as_hf(model, tok, params)
@@ -357,18 +363,72 @@ def test_lora_models_take_the_own_path_and_sample_the_hf_tokens(family, params):
     assert not torch.equal(base.completion_ids, runs["hf"].completion_ids)
 
 
-def test_lora_logits_follow_hf_step_by_step_and_under_autocast():
+@pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_onednn)], ids=["plain", "packed"])
+def test_lora_logits_follow_hf_step_by_step_and_under_autocast(pack, monkeypatch):
+    """Packed (PACK_NUMEL 0 here), a layer's q/k/v and gate/up bases are one product each, with every
+    adapter added to its own columns; unpacked, each projection runs alone."""
     model, tok = lora_model("qwen2")
+    with torch.no_grad():  # (HF's zero biases would hide a dropped or misplaced bias)
+        for name, p in model.named_parameters():
+            if "base_layer.bias" in name:
+                p.normal_(0, 0.3)
+    if pack:
+        monkeypatch.setattr("grpokit.rollout.decode.PACK_NUMEL", 0)
     ids, mask = encode_prompts(tok, PROMPTS)
     for ctx, atol in ((contextlib.nullcontext(), 1e-5), (mixed_precision("cpu", "bfloat16"), 0.05)):
         with torch.no_grad(), ctx:
             own, hf = OwnDecoder(model), HFDecoder(model)
+            layer = own.layers[0]
+            assert [len(layer.qkv), len(layer.gate_up)] == ([1, 1] if pack else [3, 2])
+            if pack:
+                assert [a[3:] for a in layer.qkv[0].adapters] == [(0, 32), (32, 48), (48, 64)]
+            assert all(packed(own)) == pack
             own_logits, own_state = own.prefill(ids, mask, 2, ids.shape[1] + 4)
             hf_logits, hf_state = hf.prefill(ids, mask, 2, ids.shape[1] + 4)
             for _ in range(4):
                 torch.testing.assert_close(own_logits.float(), hf_logits.float(), rtol=0, atol=atol)
                 nxt = hf_logits.argmax(-1)
                 own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
+
+
+@pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_onednn)], ids=["plain", "packed"])
+def test_lora_on_some_projections_over_bfloat16_weights_follows_hf(pack, monkeypatch):
+    """peft keeps LoRA adapters in float32 over bfloat16 weights and casts each sum back to the base
+    output's dtype: the own path does too (it had kept the float32 sum, which the next plain
+    projection refused). Packed (PACK_NUMEL 0 here), q/k/v and gate/up are one product each with
+    LoRA on some of them, each adapter on its own columns."""
+    peft = pytest.importorskip("peft")
+    if pack:
+        monkeypatch.setattr("grpokit.rollout.decode.PACK_NUMEL", 0)
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            pytest.skip("this CPU has no bfloat16 oneDNN kernels")
+    model, tok = build("qwen2")
+    targets = ["q_proj", "v_proj", "gate_proj"]
+    model = peft.get_peft_model(model.to(torch.bfloat16), peft.LoraConfig(r=4, target_modules=targets)).eval()
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "bias" in name:  # (zeros would hide a dropped term)
+                p.normal_(0, 0.3)
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert q_proj.lora_A["default"].weight.dtype == torch.float32
+    own, hf = OwnDecoder(model), HFDecoder(model)
+    layer = own.layers[0]
+    if pack:
+        assert [type(x) for x in (*layer.qkv, *layer.gate_up)] == [Lora, Lora]
+        assert [a[3:] for a in layer.qkv[0].adapters] == [(0, 32), (48, 64)]  # q and v, not k
+        assert [a[3:] for a in layer.gate_up[0].adapters] == [(0, 64)]
+    else:
+        assert [type(x) for x in layer.qkv] == [Lora, tuple, Lora] and len(layer.gate_up) == 2
+    ids, mask = encode_prompts(tok, PROMPTS)
+    with torch.no_grad():
+        own_logits, own_state = own.prefill(ids, mask, 2, ids.shape[1] + 4)
+        hf_logits, hf_state = hf.prefill(ids, mask, 2, ids.shape[1] + 4)
+        for _ in range(4):
+            assert own_logits.dtype == hf_logits.dtype == torch.bfloat16
+            torch.testing.assert_close(own_logits.float(), hf_logits.float(), rtol=0, atol=0.05)
+            nxt = hf_logits.argmax(-1)
+            own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
 
 
 def test_lora_variants_the_own_path_does_not_run_take_the_hf_path():

@@ -16,7 +16,10 @@ matmul on copies of their weights reordered once per call into its blocked layou
 faster than F.linear's MKL product for a decode step's few rows (same tokens in the tests, logits
 to float32 rounding).
 Under peft's vanilla LoRA (one active, unmerged adapter) each adapted projection runs peft's own
-arithmetic, ``x W^T + b + s * (x A^T) B^T``, unfused; the tokens are the HF path's (tested).
+arithmetic, ``x W^T + b + s * (x A^T) B^T``; on a CPU its base product ``x W^T + b`` is packed like a
+plain projection's (q/k/v and gate/up bases then fused into one product each, every adapter adding
+to its own columns), the adapters' two small products stay ``F.linear``. The tokens are the HF
+path's (tested).
 
 :class:`HFDecoder` is the same interface over the model's own forward and cache: every other
 architecture, DoRA and other LoRA variants, merged or several adapters, sharded weights, sliding
@@ -112,7 +115,7 @@ def _lora_reason(layer) -> str | None:
     return None
 
 
-# (weight, bias) for F.linear, no module hooks; with peft's LoRA (weight, bias, A, B, scaling); or Packed
+# (weight, bias) for F.linear, no module hooks; Packed; or Lora
 Linear = tuple
 
 
@@ -122,6 +125,16 @@ class Packed(NamedTuple):
     weight: torch.Tensor  # torch._mkldnn layout, [out, in]
     bias: torch.Tensor | None
     dtype: torch.dtype  # the inputs' dtype: cast to it by hand (autocast does not see oneDNN's op)
+
+
+class Lora(NamedTuple):
+    """peft's vanilla LoRA over a base projection (a (weight, bias) pair or :class:`Packed`), in
+    peft's order: ``base(x) + (x A^T) B^T * scaling`` in the base output's dtype. A fused base (q/k/v
+    or gate/up under packing) carries one adapter per adapted projection, each added to its own
+    columns of the output."""
+
+    base: Linear
+    adapters: tuple  # ((A, B, scaling, start, stop), ...): the output columns [start, stop) it adds to
 
 
 # On a CPU, a projection with at least this many weights runs oneDNN's matmul on a copy of its weight
@@ -192,15 +205,14 @@ class OwnDecoder:
             layer.self_attn.q_proj.weight.nbytes * 2 + layer.mlp.gate_proj.weight.nbytes * 2
             for layer in base.layers
         )  # about the bytes of the concatenated copies
-        lora = any(type(x) is not torch.nn.Linear for layer in base.layers for x in _projections(layer))
         # under autocast, weights that autocast's cache does not keep (the fused copies, frozen
         # weights) are cast once here: the same values, not once per step (see _cast)
         device_type = self.embed.device.type
         cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         pack = _pack_dtype(self.embed, cast) if reorder else None
-        # LoRA projections run one by one, as peft runs them; packed weights are copies anyway, so
-        # concatenating them first costs no memory past the call's one layer at a time
-        fuse = (fused <= FUSE_BYTES or pack is not None) and not lora
+        # packed weights are copies anyway, so concatenating them first costs no memory past the
+        # call's one layer at a time (_maybe_fused: layers under LoRA are fused only when packed)
+        fuse = fused <= FUSE_BYTES or pack is not None
         self.reorder = reorder
         self.layers = []
         for layer in base.layers:
@@ -426,17 +438,32 @@ def _projections(layer) -> tuple:
 def _maybe_fused(
     linears: list[torch.nn.Module], fuse: bool, cast: torch.dtype | None, pack: torch.dtype | None
 ) -> list[Linear]:
-    """The projections as :func:`_projection` reads them, or with ``fuse`` (plain Linear layers
-    only) one (weight, bias) pair of their concatenation; in dtype ``cast`` when it is not None
-    (see :func:`_cast`), packed as :func:`_pack` says."""
-    if not fuse:
+    """The projections as :func:`_projection` reads them, or with ``fuse`` one projection of their
+    concatenation; in dtype ``cast`` when it is not None (see :func:`_cast`), packed as :func:`_pack`
+    says. Plain Linear layers fuse into one (weight, bias) pair. Where peft's LoRA adapts some of
+    them, they fuse only when the concatenation is packed (unpacked, every projection keeps peft's
+    arithmetic as it is): their base layers' weights make one product, and each adapter adds to its
+    own projection's columns of it (:class:`Lora`)."""
+    bases = [x if type(x) is torch.nn.Linear else x.base_layer for x in linears]
+    lora = any(x is not b for x, b in zip(linears, bases, strict=True))
+    if not fuse or (lora and (pack is None or sum(b.weight.numel() for b in bases) < PACK_NUMEL)):
         return [_projection(x, cast, pack) for x in linears]
-    pairs = [(x.weight, x.bias) for x in linears]
-    weight = torch.cat([w for w, _ in pairs])
-    if all(bias is None for _, bias in pairs):
-        return [_pack(_cast((weight, None), cast), pack)]
-    bias = torch.cat([bias if bias is not None else w.new_zeros(w.shape[0]) for w, bias in pairs])
-    return [_pack(_cast((weight, bias), cast), pack)]
+    weight = torch.cat([b.weight for b in bases])
+    bias = None
+    if any(b.bias is not None for b in bases):
+        bias = torch.cat([b.bias if b.bias is not None else b.weight.new_zeros(len(b.weight)) for b in bases])
+    fused = _pack(_cast((weight, bias), cast), pack)
+    if not lora:
+        return [fused]
+    adapters, start = [], 0
+    for x, b in zip(linears, bases, strict=True):
+        if x is not b:
+            (name,) = x.active_adapters
+            adapters.append(
+                (x.lora_A[name].weight, x.lora_B[name].weight, x.scaling[name], start, start + len(b.weight))
+            )
+        start += len(b.weight)
+    return [Lora(fused, tuple(adapters))]
 
 
 def _cast(linear: Linear, dtype: torch.dtype | None) -> Linear:
@@ -459,15 +486,15 @@ def _cast(linear: Linear, dtype: torch.dtype | None) -> Linear:
 
 def _projection(layer: torch.nn.Module, cast: torch.dtype | None, pack: torch.dtype | None) -> Linear:
     """A plain ``Linear`` as (weight, bias), or :class:`Packed` as :func:`_pack` says; peft's LoRA
-    ``Linear`` (:func:`_lora_reason`) as (weight, bias, A, B, scaling) of its base layer and active
-    adapter, unpacked (peft's arithmetic). The base is cast as :func:`_cast` says (a frozen base
-    under LoRA: once per call); A and B are trainable, so autocast casts them once per context
-    itself."""
+    ``Linear`` (:func:`_lora_reason`) as :class:`Lora`: its base layer as a plain one, and its
+    active adapter. The base is cast as :func:`_cast` says (a frozen base under LoRA: once per
+    call); A and B are trainable, so autocast casts them once per context itself."""
     if type(layer) is torch.nn.Linear:
         return _pack(_cast((layer.weight, layer.bias), cast), pack)
-    (name,) = layer.active_adapters
-    base = _cast((layer.base_layer.weight, layer.base_layer.bias), cast)
-    return (*base, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name])
+    (name,) = layer.active_adapters  # its base packed like a plain layer
+    base = _pack(_cast((layer.base_layer.weight, layer.base_layer.bias), cast), pack)
+    A, B = layer.lora_A[name].weight, layer.lora_B[name].weight
+    return Lora(base, ((A, B, layer.scaling[name], 0, len(B)),))
 
 
 def _pack_dtype(weight: torch.Tensor, cast: torch.dtype | None) -> torch.dtype | None:
@@ -511,12 +538,15 @@ def _linear(linear: Linear, x: torch.Tensor) -> torch.Tensor:
     if type(linear) is Packed:
         x = x.to(linear.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "none", [], "")
-    out = F.linear(x, linear[0], linear[1])
-    if len(linear) == 2:
-        return out
-    _, _, A, B, scaling = linear  # peft's vanilla LoRA, its operations in its order
-    xa = x if x.dtype == A.dtype else x.to(A.dtype)
-    return out + F.linear(F.linear(xa, A), B) * scaling
+    if type(linear) is not Lora:
+        return F.linear(x, linear[0], linear[1])
+    # peft's vanilla LoRA in its order: base(x) + (x A^T) B^T * scaling, cast to the base output's
+    # dtype (an adapter kept in float32 over bfloat16 weights gives bfloat16 outputs), each adapter
+    # on its columns of a fused base
+    out = _linear(linear.base, x)
+    for A, B, scaling, start, stop in linear.adapters:
+        out[..., start:stop] += F.linear(F.linear(x if x.dtype == A.dtype else x.to(A.dtype), A), B) * scaling
+    return out
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
