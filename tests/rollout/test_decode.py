@@ -363,11 +363,27 @@ def test_lora_models_take_the_own_path_and_sample_the_hf_tokens(family, params, 
     assert not torch.equal(base.completion_ids, runs["hf"].completion_ids)
 
 
-@pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_onednn)], ids=["plain", "packed"])
-def test_lora_logits_follow_hf_step_by_step_and_under_autocast(pack, monkeypatch):
-    """Packed (PACK_NUMEL 0 here), a layer's q/k/v and gate/up bases are one product each, with every
-    adapter added to its own columns; unpacked, each projection runs alone."""
-    model, tok = lora_model("qwen2")
+def block_diagonal(B: torch.Tensor, blocks: list[tuple[int, int]]) -> bool:
+    """Whether ``B``'s non-zeros are exactly the (rows, rank) blocks given, down its diagonal."""
+    return torch.equal(B != 0, torch.block_diag(*(torch.ones(n, r, dtype=torch.bool) for n, r in blocks)))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plain",
+        pytest.param("packed", marks=needs_onednn),
+        pytest.param("packed-scalings", marks=needs_onednn),
+    ],
+)
+def test_lora_logits_follow_hf_step_by_step_and_under_autocast(case, monkeypatch):
+    """Packed (PACK_NUMEL 0 here), a layer's q/k/v and gate/up bases are one product each, and their
+    adapters one stacked A and block-diagonal B (or, when their scalings differ, each adapter on its
+    own columns); unpacked, each projection runs alone."""
+    pack = case != "plain"
+    model, tok = lora_model(
+        "qwen2", **({"alpha_pattern": {"q_proj": 16}} if case == "packed-scalings" else {})
+    )
     with torch.no_grad():  # (HF's zero biases would hide a dropped or misplaced bias)
         for name, p in model.named_parameters():
             if "base_layer.bias" in name:
@@ -380,8 +396,13 @@ def test_lora_logits_follow_hf_step_by_step_and_under_autocast(pack, monkeypatch
             own, hf = OwnDecoder(model), HFDecoder(model)
             layer = own.layers[0]
             assert [len(layer.qkv), len(layer.gate_up)] == ([1, 1] if pack else [3, 2])
-            if pack:
+            if case == "packed":  # (r = 4; q, k, v give 32, 16, 16 columns)
+                ((A, B, _, start, stop),) = layer.qkv[0].adapters
+                assert A.shape == (12, 32) and (start, stop) == (0, 64)
+                assert block_diagonal(B, [(32, 4), (16, 4), (16, 4)])
+            if case == "packed-scalings":
                 assert [a[3:] for a in layer.qkv[0].adapters] == [(0, 32), (32, 48), (48, 64)]
+                assert len(layer.gate_up[0].adapters) == 1  # gate and up share theirs: stacked
             assert all(packed(own)) == pack
             own_logits, own_state = own.prefill(ids, mask, 2, ids.shape[1] + 4)
             hf_logits, hf_state = hf.prefill(ids, mask, 2, ids.shape[1] + 4)
@@ -396,7 +417,7 @@ def test_lora_on_some_projections_over_bfloat16_weights_follows_hf(pack, monkeyp
     """peft keeps LoRA adapters in float32 over bfloat16 weights and casts each sum back to the base
     output's dtype: the own path does too (it had kept the float32 sum, which the next plain
     projection refused). Packed (PACK_NUMEL 0 here), q/k/v and gate/up are one product each with
-    LoRA on some of them, each adapter on its own columns."""
+    LoRA on some of them."""
     peft = pytest.importorskip("peft")
     if pack:
         monkeypatch.setattr("grpokit.rollout.decode.PACK_NUMEL", 0)
@@ -416,8 +437,9 @@ def test_lora_on_some_projections_over_bfloat16_weights_follows_hf(pack, monkeyp
     layer = own.layers[0]
     if pack:
         assert [type(x) for x in (*layer.qkv, *layer.gate_up)] == [Lora, Lora]
-        assert [a[3:] for a in layer.qkv[0].adapters] == [(0, 32), (48, 64)]  # q and v, not k
-        assert [a[3:] for a in layer.gate_up[0].adapters] == [(0, 64)]
+        ((_, B, _, start, stop),) = layer.qkv[0].adapters
+        assert (start, stop) == (0, 64) and block_diagonal(B, [(32, 4), (16, 0), (16, 4)])  # q, v; no k
+        assert [a[3:] for a in layer.gate_up[0].adapters] == [(0, 64)]  # gate alone: its own columns
     else:
         assert [type(x) for x in layer.qkv] == [Lora, tuple, Lora] and len(layer.gate_up) == 2
     ids, mask = encode_prompts(tok, PROMPTS)

@@ -463,7 +463,28 @@ def _maybe_fused(
                 (x.lora_A[name].weight, x.lora_B[name].weight, x.scaling[name], start, start + len(b.weight))
             )
         start += len(b.weight)
-    return [Lora(fused, tuple(adapters))]
+    return [Lora(fused, _stacked(adapters, start, cast))]
+
+
+def _stacked(adapters: list[tuple], width: int, cast: torch.dtype | None) -> tuple:
+    """A fused projection's adapters as one: A's stacked and B's block-diagonal (zeros elsewhere),
+    so two products per step instead of two per adapter, the same sums (the other adapters' terms
+    are exact zeros). Left as they are when there is only one or their scalings or dtypes differ
+    (peft scales each adapter's output). The stacked A and B are copies, made (and cast as
+    :func:`_cast` says) once per call."""
+    A0, B0, scaling = adapters[0][:3]
+    if len(adapters) == 1 or any(
+        (a.dtype, b.dtype, s) != (A0.dtype, B0.dtype, scaling) for a, b, s, _, _ in adapters
+    ):
+        return tuple(adapters)
+    A = torch.cat([a.detach() for a, *_ in adapters])
+    B = B0.new_zeros((width, len(A)))
+    rank = 0
+    for a, b, _, start, stop in adapters:
+        B[start:stop, rank : rank + len(a)] = b.detach()
+        rank += len(a)
+    A, B = _cast((A, B), cast)
+    return ((A, B, scaling, 0, width),)
 
 
 def _cast(linear: Linear, dtype: torch.dtype | None) -> Linear:
