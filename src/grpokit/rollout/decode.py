@@ -17,9 +17,9 @@ faster than F.linear's MKL product for a decode step's few rows (same tokens in 
 to float32 rounding).
 Under peft's vanilla LoRA (one active, unmerged adapter) each adapted projection runs peft's own
 arithmetic, ``x W^T + b + s * (x A^T) B^T``; on a CPU its base product ``x W^T + b`` is packed like a
-plain projection's (q/k/v and gate/up bases then fused into one product each, every adapter adding
-to its own columns), the adapters' two small products stay ``F.linear``. The tokens are the HF
-path's (tested).
+plain projection's (q/k/v and gate/up bases then fused into one product each, their adapters one
+stacked A and block-diagonal B), the adapters' small products stay ``F.linear``. The tokens are
+the HF path's (tested).
 
 :class:`HFDecoder` is the same interface over the model's own forward and cache: every other
 architecture, DoRA and other LoRA variants, merged or several adapters, sharded weights, sliding
@@ -131,7 +131,7 @@ class Lora(NamedTuple):
     """peft's vanilla LoRA over a base projection (a (weight, bias) pair or :class:`Packed`), in
     peft's order: ``base(x) + (x A^T) B^T * scaling`` in the base output's dtype. A fused base (q/k/v
     or gate/up under packing) carries one adapter per adapted projection, each added to its own
-    columns of the output."""
+    columns of the output, or their stack (:func:`_stacked`)."""
 
     base: Linear
     adapters: tuple  # ((A, B, scaling, start, stop), ...): the output columns [start, stop) it adds to
@@ -443,7 +443,7 @@ def _maybe_fused(
     says. Plain Linear layers fuse into one (weight, bias) pair. Where peft's LoRA adapts some of
     them, they fuse only when the concatenation is packed (unpacked, every projection keeps peft's
     arithmetic as it is): their base layers' weights make one product, and each adapter adds to its
-    own projection's columns of it (:class:`Lora`)."""
+    own projection's columns of it (:class:`Lora`, :func:`_stacked`)."""
     bases = [x if type(x) is torch.nn.Linear else x.base_layer for x in linears]
     lora = any(x is not b for x, b in zip(linears, bases, strict=True))
     if not fuse or (lora and (pack is None or sum(b.weight.numel() for b in bases) < PACK_NUMEL)):
@@ -468,10 +468,10 @@ def _maybe_fused(
 
 def _stacked(adapters: list[tuple], width: int, cast: torch.dtype | None) -> tuple:
     """A fused projection's adapters as one: A's stacked and B's block-diagonal (zeros elsewhere),
-    so two products per step instead of two per adapter, the same sums (the other adapters' terms
-    are exact zeros). Left as they are when there is only one or their scalings or dtypes differ
-    (peft scales each adapter's output). The stacked A and B are copies, made (and cast as
-    :func:`_cast` says) once per call."""
+    so two products per step instead of two per adapter, with the same terms (the other adapters'
+    are exact zeros; the sums may round in another order). Left as they are when there is only one
+    or their scalings or dtypes differ (peft scales each adapter's output). The stacked A and B are
+    copies, made (and cast as :func:`_cast` says) once per call."""
     A0, B0, scaling = adapters[0][:3]
     if len(adapters) == 1 or any(
         (a.dtype, b.dtype, s) != (A0.dtype, B0.dtype, scaling) for a, b, s, _, _ in adapters
