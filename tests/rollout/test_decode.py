@@ -640,12 +640,16 @@ def test_chunks_of_pending_tokens_give_the_hf_logits_and_the_cache_grows(family)
         assert int(own_state.positions.max()) <= capacity  # the rotary table's rows suffice
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "lora"])
-def test_episodes_sample_the_hf_tokens_on_the_own_path(family):
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "lora", pytest.param("lora-packed", marks=needs_onednn)]
+)
+def test_episodes_sample_the_hf_tokens_on_the_own_path(family, monkeypatch):
     from grpokit.rollout.episodes import sample_episodes
     from tests.rollout.test_episodes import ROWS, Echo
 
-    model, tok = lora_model("qwen2") if family == "lora" else build(family)
+    if family == "lora-packed":  # chunks through packed, fused bases and stacked adapters
+        monkeypatch.setattr("grpokit.rollout.decode.PACK_NUMEL", 0)
+    model, tok = lora_model("qwen2") if family.startswith("lora") else build(family)
     assert own_decoder_reason(model, 200) is None
 
     def episodes(mode: str):
