@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from grpokit.algo import LossSpec
 from grpokit.config import load_config
 from grpokit.models.loading import load_model
+from grpokit.rollout.decode import onednn_linear_available
 from grpokit.rollout.sampler import SamplingParams, sample
 from grpokit.train.batch import TrainBatch, accumulate_policy_gradient, batch_logprobs, plan_micro_batches
 from grpokit.train.trainer import GRPOTrainer
@@ -168,3 +169,27 @@ def test_lora_options_are_validated():
         load_config(None, ["model.lora={r: 4}", "algo.ref_sync_every=2"])
     with pytest.raises(ConfigError, match=r"unknown config key 'model.lora.rank'; known keys: r, alpha"):
         load_config(None, ["model.lora={rank: 4}"])
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="no oneDNN linear in this torch")
+def test_sampler_and_trainer_log_probs_agree_with_packed_lora_bases(tmp_path, tiny_dir, monkeypatch):
+    """Every projection packed for oneDNN (PACK_NUMEL 0 here), LoRA bases fused and adapters
+    stacked: the sampler's log-probs are the trainer's (peft's modules, F.linear) to float32
+    round-off, at every step, while the adapters move."""
+    import grpokit.rollout.decode as decode
+
+    monkeypatch.setattr(decode, "PACK_NUMEL", 0)
+    built = []
+    real = decode.OwnDecoder.__init__
+
+    def spy(self, model, reorder=True):
+        real(self, model, reorder)
+        qkv = self.layers[0].qkv[0]
+        built.append((type(qkv.base).__name__, len(qkv.adapters)))
+
+    monkeypatch.setattr(decode.OwnDecoder, "__init__", spy)
+    GRPOTrainer(make(tmp_path, tiny_dir), rewards=[varied]).train()
+    assert len(built) >= 3 and set(built) == {("Packed", 1)}  # every call: packed, one stacked adapter
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    assert all(r["logprob_mismatch"] < 1e-5 and r["logprob_ratio_outside"] == 0 for r in rows)
