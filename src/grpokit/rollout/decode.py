@@ -151,7 +151,7 @@ PACK_NUMEL = 2**17
 # concatenated into one matmul each: small models pay per operation, not per flop, and the copy is
 # made once per sampler call. Larger models use the weights as they are (no copy, no extra memory),
 # unless they are packed for oneDNN (PACK_NUMEL), a copy anyway: then the concatenation is packed
-# (SmolLM2's k and v, 110,592 entries each, would run F.linear alone; together with q, 8-13% more
+# (SmolLM2's k and v, 110,592 entries each, would run F.linear alone; together with q, 4-14% more
 # tokens per second in docs/benchmarks.md).
 FUSE_BYTES = 64 * 2**20
 
