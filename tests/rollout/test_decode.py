@@ -363,6 +363,19 @@ def test_lora_models_take_the_own_path_and_sample_the_hf_tokens(family, params, 
     assert not torch.equal(base.completion_ids, runs["hf"].completion_ids)
 
 
+def greedy_steps(own, hf, ids, mask, atol: float, dtype: torch.dtype | None = None) -> None:
+    """Prefill 2 rows per prompt on both decoders, then 4 greedy steps on HF's tokens: the logits
+    agree to ``atol`` (compared in float32) at each, and are in ``dtype`` on both when it is given."""
+    own_logits, own_state = own.prefill(ids, mask, 2, ids.shape[1] + 4)
+    hf_logits, hf_state = hf.prefill(ids, mask, 2, ids.shape[1] + 4)
+    for _ in range(4):
+        if dtype is not None:
+            assert own_logits.dtype == hf_logits.dtype == dtype
+        torch.testing.assert_close(own_logits.float(), hf_logits.float(), rtol=0, atol=atol)
+        nxt = hf_logits.argmax(-1)
+        own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
+
+
 def block_diagonal(B: torch.Tensor, blocks: list[tuple[int, int]]) -> bool:
     """Whether ``B``'s non-zeros are exactly the (rows, rank) blocks given, down its diagonal."""
     return torch.equal(B != 0, torch.block_diag(*(torch.ones(n, r, dtype=torch.bool) for n, r in blocks)))
@@ -404,12 +417,7 @@ def test_lora_logits_follow_hf_step_by_step_and_under_autocast(case, monkeypatch
                 assert [a[3:] for a in layer.qkv[0].adapters] == [(0, 32), (32, 48), (48, 64)]
                 assert len(layer.gate_up[0].adapters) == 1  # gate and up share theirs: stacked
             assert all(packed(own)) == pack
-            own_logits, own_state = own.prefill(ids, mask, 2, ids.shape[1] + 4)
-            hf_logits, hf_state = hf.prefill(ids, mask, 2, ids.shape[1] + 4)
-            for _ in range(4):
-                torch.testing.assert_close(own_logits.float(), hf_logits.float(), rtol=0, atol=atol)
-                nxt = hf_logits.argmax(-1)
-                own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
+            greedy_steps(own, hf, ids, mask, atol)
 
 
 @pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_onednn)], ids=["plain", "packed"])
@@ -444,13 +452,7 @@ def test_lora_on_some_projections_over_bfloat16_weights_follows_hf(pack, monkeyp
         assert [type(x) for x in layer.qkv] == [Lora, tuple, Lora] and len(layer.gate_up) == 2
     ids, mask = encode_prompts(tok, PROMPTS)
     with torch.no_grad():
-        own_logits, own_state = own.prefill(ids, mask, 2, ids.shape[1] + 4)
-        hf_logits, hf_state = hf.prefill(ids, mask, 2, ids.shape[1] + 4)
-        for _ in range(4):
-            assert own_logits.dtype == hf_logits.dtype == torch.bfloat16
-            torch.testing.assert_close(own_logits.float(), hf_logits.float(), rtol=0, atol=0.05)
-            nxt = hf_logits.argmax(-1)
-            own_logits, hf_logits = own.step(nxt, own_state), hf.step(nxt, hf_state)
+        greedy_steps(own, hf, ids, mask, 0.05, dtype=torch.bfloat16)
 
 
 def test_lora_variants_the_own_path_does_not_run_take_the_hf_path():
