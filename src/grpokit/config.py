@@ -312,8 +312,9 @@ class TrainConfig:
     share_prompts: bool = _f(
         True,
         "Compute each prompt once for all of its rows in a micro-batch: one sequence per prompt, "
-        "its completions after it, a 4D mask keeping them apart; the same log-probs and gradients. "
-        "Used where it saves FLOPs (short completions after long prompts); Llama, Qwen2/3, Mistral with "
+        "its completions after it, each completion attending to the prompt and itself only; the same "
+        "log-probs and gradients. Used where it saves FLOPs (a prompt with two or more rows in the "
+        "micro-batch, unless uneven groups pad more than it saves); Llama, Qwen2/3, Mistral with "
         "SDPA (with a sliding window: the micro-batches whose rows fit in it), also under torchrun "
         "(others as before, the reason printed once). "
         "Where used, it replaces `packing`'s layout; metric `prompt_shared_fraction`.",

@@ -306,19 +306,32 @@ def test_shared_layout_holds_each_prompt_once(uneven64):
     _, tok, batch = uneven64
     rows = [0, 5, 9, 2, 7, 3]  # rows 0-3 share one prompt, 5 and 7 another, 9 a third
     mb = collate_shared(batch, rows, tok.pad_token_id, torch.device("cpu"))
-    assert mb.input_ids.shape[0] == 3 and mb.attention_mask.shape == (3, 1, *mb.input_ids.shape[1:2] * 2)
+    assert mb.input_ids.shape[0] == 3 and mb.attention_mask.shape == (3, 1, 0, 0)  # no kernel takes it
     flat_ids, flat_pos = mb.input_ids.flatten(), mb.position_ids.flatten()
-    S = mb.input_ids.shape[1]
+    layout, S = mb.layout, mb.input_ids.shape[1]
     for j, r in enumerate(rows):
         n, P = int(batch.context_mask[r].sum()), len(batch.prompt_ids[r])
         before = torch.cat([batch.prompt_ids[r][-1:], batch.completion_ids[r, : n - 1]])
         assert torch.equal(flat_ids[mb.gather[j, :n]], before)  # the position that predicts token t
         assert flat_pos[mb.gather[j, :n]].tolist() == list(range(P - 1, P - 1 + n))  # as if alone
-        # the token predicting completion token t sees the prompt and its own completion's first t tokens
-        g, q = divmod(int(mb.gather[j, n - 1]), S)
-        seen = mb.attention_mask[g, 0, q].nonzero().flatten()
-        context = torch.cat([batch.prompt_ids[r], batch.completion_ids[r, : n - 1]])
-        assert torch.equal(mb.input_ids[g, seen], context)
+        # row j's completion tokens are its layout row; token t sees the prompt and its first t + 1
+        assert torch.equal(flat_ids[layout.row_index[j, :n]], batch.completion_ids[r, :n])
+        for t in range(n):
+            seen = layout.key_index[j][layout.row_mask[j, 0, t]]
+            context = torch.cat([batch.prompt_ids[r], batch.completion_ids[r, : t + 1]])
+            assert torch.equal(flat_ids[seen], context)
+        g = int(mb.gather[j, 0]) // S
+        # the prompt's own tokens attend causally within it, once per group
+        prompt = layout.prompt_index[g][: len(batch.prompt_ids[r])]
+        assert torch.equal(flat_ids[prompt], batch.prompt_ids[r])
+    # every position's output comes from exactly one computed query (padding: the zero row)
+    computed = torch.cat([layout.prompt_index.flatten(), layout.row_index.flatten()])
+    zero = len(computed)
+    real = layout.inverse != zero
+    assert torch.equal(computed[layout.inverse[real]], torch.arange(len(flat_ids))[real])
+    assert int(real.sum()) == sum(len(batch.prompt_ids[rows[m[0]]]) for m in [[0, 3, 5], [1, 4], [2]]) + int(
+        batch.context_mask[rows].sum()
+    )
 
 
 @pytest.fixture()
@@ -343,18 +356,22 @@ def test_shared_prompt_gradients_equal_padded_gradients(uneven64, aggregation, f
     _assert_layout_equals_padded(model, batch, aggregation, fused_head, share=ALWAYS_SHARE)
 
 
-def test_sharing_pays_for_long_prompts_and_short_completions_only():
+def test_sharing_pays_unless_nothing_is_shared_or_uneven_groups_pad_more_than_it_saves():
     from grpokit.train.batch import sharing_pays
 
-    def rows_of(prompt_len, completion_len, G=8):
+    def rows_of(prompt_len, completion_len, prompts=(0,) * 8):
+        G = len(prompts)
         comp = torch.ones(G, completion_len, dtype=torch.long)
         mask = torch.ones(G, completion_len, dtype=torch.bool)
-        return TrainBatch([torch.arange(prompt_len)] * G, comp, mask, torch.zeros(G))
+        return TrainBatch([torch.arange(prompt_len) + p for p in prompts], comp, mask, torch.zeros(G))
 
     costs = SharingCosts(2 * 105e6, 4 * 576 * 30)  # SmolLM2-135M: per token, per attended pair
-    assert sharing_pays(rows_of(100, 96), list(range(8)), costs)  # its recipe: 0.67x the FLOPs
-    assert not sharing_pays(rows_of(100, 4096), list(range(8)), costs)  # 8 long completions at once
-    assert not sharing_pays(rows_of(100, 96, G=1), [0], costs)  # nothing to share
+    assert sharing_pays(rows_of(100, 96), list(range(8)), costs)  # its recipe
+    # long completions too: each row attends to its prompt and itself, not to the other rows
+    assert sharing_pays(rows_of(100, 4096), list(range(8)), costs)
+    assert not sharing_pays(rows_of(100, 96, prompts=(0,)), [0], costs)  # nothing to share
+    # one prompt's 4 rows set the sequence length that the other 4 prompts' single rows pad to
+    assert not sharing_pays(rows_of(100, 4096, prompts=(0, 0, 0, 0, 1, 2, 3, 4)), list(range(8)), costs)
 
 
 def test_prompt_sharing_needs_sdpa_and_knows_the_sliding_window(tiny):

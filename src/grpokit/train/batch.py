@@ -41,6 +41,7 @@ from grpokit.algo import (
 from grpokit.algo.correction import mismatch_stats
 from grpokit.algo.logprobs import LossGrad
 from grpokit.models.loading import SharingCosts, accepts_kwarg, head_returns_hidden
+from grpokit.models.shared_prompts import SharedLayout, routed
 from grpokit.rollout.sampler import Rollout
 from grpokit.train.distributed import Dist, grad_sync
 
@@ -137,7 +138,7 @@ class TrainBatch:
 class MicroBatch:
     rows: torch.Tensor  # [b] indices into the TrainBatch
     input_ids: torch.Tensor  # [b, L + T'] (packed: [bins, N])
-    # [b, L + T']; packed: None (positions delimit sequences); shared: [groups, 1, S, S] bool
+    # [b, L + T']; packed: None (positions delimit sequences); shared: an empty [groups, 1, 0, 0]
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor  # [b, L + T'] (packed: [bins, N], 0 at each sequence's start)
     prompt_width: int  # L
@@ -145,11 +146,12 @@ class MicroBatch:
     completion_mask: torch.Tensor  # [b, T'] bool
     # packed: [b, T'] where in the flattened [bins * N] positions completion token t is predicted
     gather: torch.Tensor | None = None
+    layout: SharedLayout | None = None  # shared: where each prompt's and row's tokens sit
 
     @property
     def shared(self) -> bool:
-        """Laid out by :func:`collate_shared`: each prompt once, the 4D mask keeping rows apart."""
-        return self.attention_mask is not None and self.attention_mask.dim() == 4
+        """Laid out by :func:`collate_shared`: each prompt once, ``layout`` keeping rows apart."""
+        return self.layout is not None
 
 
 def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int | None = None) -> list[list[int]]:
@@ -352,6 +354,8 @@ def completion_logprobs(
     kw = {"logits_to_keep": T + 1} if accepts_kwarg(model, "logits_to_keep") else {}
     if mb.gather is not None:  # packed: every position's output, then each completion token's own
         kw = {}
+    if mb.layout is not None:  # shared: the layers' attention reads it (under models.shared_prompts.routed)
+        kw["shared_layout"] = mb.layout
     with head_returns_hidden(model) if fused_head else contextlib.nullcontext() as head:
         out = model(
             input_ids=mb.input_ids,
@@ -403,7 +407,8 @@ def batch_logprobs(
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.promote_types(param.dtype, torch.float32))
     for rows in (dist or Dist()).pad_plan(plan):
         mb = collate(batch, rows or [0], pad_id, param.device, packed, share)
-        logp, _ = completion_logprobs(model, mb, temperature, fused_head=fused_head)
+        with routed(model) if mb.shared else contextlib.nullcontext():
+            logp, _ = completion_logprobs(model, mb, temperature, fused_head=fused_head)
         if rows:  # an empty micro-batch only keeps the ranks' forward passes in step
             out[rows, : logp.shape[1]] = logp.cpu()
     return out
@@ -474,7 +479,9 @@ def accumulate_policy_gradient(
     mismatch = [0.0, 0.0, 0.0]  # |diff| sum, tokens outside [0.9, 1.1], tokens
     layout = [0.0, 0.0]  # rows, rows in a shared-prompt micro-batch
     for k, rows in enumerate(plan):
-        with grad_sync(model, enabled=k == len(plan) - 1):
+        sync = grad_sync(model, enabled=k == len(plan) - 1)
+        # a micro-batch that is not shared passes no layout: transformers' SDPA attention then
+        with sync, routed(model) if share else contextlib.nullcontext():
             stats = _micro_batch_backward(
                 model, batch, rows, pad_id, temperature, loss, counts, old_logp, ref_logp,
                 entropy_top_q, is_weights, mismatch_logp, dump_path if k == 0 else None, d.world_size,
@@ -620,11 +627,13 @@ def collate_shared(
 ) -> MicroBatch:
     """``rows`` with each prompt computed once: the rows of one prompt become one sequence
     ``[prompt | completion_1 | ... | completion_k]``, each completion's position ids continuing from
-    the prompt's length, and a ``[groups, 1, S, S]`` boolean attention mask in which a completion
-    token sees the prompt and the earlier tokens of its own completion only (padding at a group's
-    end sees itself). Every token's attention and positions are those of the padded layout, so the
-    log-probs and gradients are the same; the prompt's forward and backward run once per group
-    instead of once per row. ``gather`` maps each completion token to the position that predicts it.
+    the prompt's length, and a :class:`~grpokit.models.shared_prompts.SharedLayout` by which a
+    completion token attends to the prompt and the earlier tokens of its own completion only.
+    Every token's attention and positions are those of the padded layout, so the log-probs and
+    gradients are the same; the prompt's forward and backward run once per group instead of once
+    per row. ``gather`` maps each completion token to the position that predicts it. The attention
+    mask is an empty ``[groups, 1, 0, 0]``: no attention kernel accepts it, so a forward outside
+    :func:`~grpokit.models.shared_prompts.routed` fails instead of attending across rows.
     ``groups``: :func:`_prompt_groups` of ``rows``, if already computed."""
     lengths, comp_ids, comp_mask = _prefix_completions(batch, rows, "prompt sharing")
     width = comp_ids.shape[1]
@@ -633,35 +642,33 @@ def collate_shared(
     S = max(sizes)
     input_ids = torch.full((len(groups), S), pad_id, dtype=torch.long)
     positions = torch.zeros((len(groups), S), dtype=torch.long)
-    segment = torch.full((len(groups), S), -1, dtype=torch.long)  # 0 prompt, j + 1 row j, -1 padding
     gather = torch.zeros((len(rows), width), dtype=torch.long)  # beyond a row's length: masked anyway
+    prompt_lengths, spans = [], [(0, 0, 0)] * len(rows)  # spans[j]: (group, start, length) of row j
     for g, members in enumerate(groups):
         prompt = batch.prompt_ids[rows[members[0]]]
         P = len(prompt)
-        input_ids[g, :P], positions[g, :P], segment[g, :P] = prompt, torch.arange(P), 0
+        input_ids[g, :P], positions[g, :P] = prompt, torch.arange(P)
+        prompt_lengths.append(P)
         at = P
         for j in members:
             n = int(lengths[j])
             input_ids[g, at : at + n] = comp_ids[j, :n]
             positions[g, at : at + n] = P + torch.arange(n)
-            segment[g, at : at + n] = j + 1
+            spans[j] = (g, at, n)
             if n:  # token 0 is predicted by the prompt's last position, token t by token t - 1
                 gather[j, 0] = g * S + P - 1
                 gather[j, 1:n] = g * S + at + torch.arange(n - 1)
             at += n
-    q, k = segment[:, :, None], segment[:, None, :]
-    causal = torch.ones(S, S, dtype=torch.bool).tril()
-    attend = causal & ((k == 0) | (k == q)) & (q >= 0)
-    attend |= torch.eye(S, dtype=torch.bool)  # padding sees itself: no empty softmax row
     return MicroBatch(
         torch.tensor(rows),
         input_ids.to(device),
-        attend[:, None].to(device),
+        torch.ones((len(groups), 1, 0, 0), dtype=torch.bool, device=device),
         positions.to(device),
         0,
         comp_ids.to(device),
         comp_mask.to(device),
         gather.to(device),
+        SharedLayout(prompt_lengths, spans, S).to(device),
     )
 
 
@@ -691,14 +698,19 @@ def sharing_pays(
 ) -> bool:
     """Whether :func:`collate_shared` does less work than :func:`collate`'s padded rows, with
     ``costs`` = (per token: the layers' matmuls, per attended query-key pair), every pair counted on
-    both sides (an explicit mask runs them all). One sequence per prompt saves the prompt's repeats
-    but attends over all its completions at once, which loses when completions are long.
+    both sides (an explicit mask runs them all): shared, each prompt's tokens once and the pairs of
+    :class:`~grpokit.models.shared_prompts.SharedLayout` (``groups x P^2`` for the prompts,
+    ``rows x W x (P + W)`` for the completions), against every row's ``P + W`` tokens and their
+    ``(P + W)^2`` pairs. Sequences padded to the longest group can cost more than they save when
+    groups are uneven; a micro-batch in which no prompt has two rows has nothing to share.
     ``groups``: :func:`_prompt_groups` of ``rows``, if already computed."""
     token_cost, pair_cost = costs.token, costs.pair
     lengths = batch.context_mask[rows].sum(dim=1).tolist()
     groups = _prompt_groups(batch, rows) if groups is None else groups
+    if all(len(m) < 2 for m in groups):
+        return False
     S = max(len(batch.prompt_ids[rows[m[0]]]) + sum(lengths[j] for j in m) for m in groups)
-    N = max(len(batch.prompt_ids[r]) for r in rows) + max(max(lengths), 1)
-    shared = len(groups) * (S * token_cost + S * S * pair_cost)
-    padded = len(rows) * (N * token_cost + N * N * pair_cost)
+    P, W = max(len(batch.prompt_ids[r]) for r in rows), max(max(lengths), 1)
+    shared = len(groups) * (S * token_cost + P * P * pair_cost) + len(rows) * W * (P + W) * pair_cost
+    padded = len(rows) * ((P + W) * token_cost + (P + W) ** 2 * pair_cost)
     return shared < padded
