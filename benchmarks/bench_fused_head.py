@@ -2,14 +2,16 @@
 the head block by block (``model.fused_logprobs``), peak memory and time, each in a fresh process.
 
     .venv/bin/python benchmarks/bench_fused_head.py [--rows 64 --completion 96 --prompt 30 --reps 3] \
-        [--share] [--layers]
+        [--share] [--layers] [--modes shared+layers,...] [--gradient-checkpointing]
 
 The recipe's shape: 64 rows (8 prompts x 8 samples) of a ``--prompt``-token prompt and ``--completion``
 sampled-length tokens (random ids: the cost does not depend on them), bfloat16 autocast with the
 float32 head, one forward + backward of the GRPO loss per rep (``accumulate_policy_gradient``,
 one micro-batch). Peak RSS is the child's own ``VmHWM``; time is the median over ``--reps``.
 ``--layers`` adds the same modes with ``model.fused_layers`` (``models.fused_layers.fuse_layers``:
-RMSNorm and the MLP saving fewer activations), marked ``+layers``.
+RMSNorm and the MLP saving fewer activations), marked ``+layers``. ``--modes`` picks modes by name
+instead (to time one mode at two commits: ``PYTHONPATH=<the commit's src>``);
+``--gradient-checkpointing`` recomputes the layers in the backward, as SmolLM2's TRL comparison does.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ MODES = ("logits", "fused", "shared")
 ALL_MODES = MODES + tuple(m + "+layers" for m in MODES)
 
 
-def child(mode: str, rows: int, completion: int, reps: int, prompt: int = 30) -> dict:
+def child(
+    mode: str, rows: int, completion: int, reps: int, prompt: int = 30, checkpointing: bool = False
+) -> dict:
     import torch
 
     from _common import peak_rss_kib
@@ -48,7 +52,10 @@ def child(mode: str, rows: int, completion: int, reps: int, prompt: int = 30) ->
     from grpokit.train.batch import TrainBatch, accumulate_policy_gradient
 
     torch.manual_seed(0)
-    model, tok = load_model(str(resolve_model_path("smollm2-135m-instruct")))
+    model, tok = load_model(
+        str(resolve_model_path("smollm2-135m-instruct")), gradient_checkpointing=checkpointing
+    )
+    model.train(checkpointing)  # HF checkpoints only in train mode (dropout is 0 in this model)
     keep_head_float32(model)
     name, mode, layers = mode, mode.removesuffix("+layers"), mode.endswith("+layers")
     if layers and (why := fuse_layers(model)):
@@ -89,16 +96,27 @@ def main() -> None:
     ap.add_argument(
         "--layers", action="store_true", help="also each mode with model.fused_layers ('+layers')"
     )
+    ap.add_argument(
+        "--modes", help=f"comma-separated modes out of {', '.join(ALL_MODES)} (instead of the flags)"
+    )
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute the layers in backward")
     ap.add_argument("--child", choices=ALL_MODES, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, a.rows, a.completion, a.reps, a.prompt)))
+        print(json.dumps(child(a.child, a.rows, a.completion, a.reps, a.prompt, a.gradient_checkpointing)))
         return
     results = []
     modes = list(MODES if a.share else MODES[:2])
-    for mode in modes + ([m + "+layers" for m in modes] if a.layers else []):
+    modes += [m + "+layers" for m in modes] if a.layers else []
+    if a.modes:
+        modes = a.modes.split(",")
+        if unknown := [m for m in modes if m not in ALL_MODES]:
+            ap.error(f"unknown mode(s) {unknown}; choose from {', '.join(ALL_MODES)}")
+    for mode in modes:
         sizes = ["--rows", str(a.rows), "--completion", str(a.completion), "--reps", str(a.reps)]
-        sizes += ["--prompt", str(a.prompt)]
+        sizes += ["--prompt", str(a.prompt)] + (
+            ["--gradient-checkpointing"] if a.gradient_checkpointing else []
+        )
         cmd = [sys.executable, __file__, "--child", mode, *sizes]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
@@ -111,7 +129,7 @@ def main() -> None:
     for f in results[1:]:
         above = (f["peak_mib"] - f["loaded_mib"]) / (base["peak_mib"] - base["loaded_mib"])
         print(
-            f"{f['mode']} / logits: time {f['seconds'] / base['seconds']:.2f}x, "
+            f"{f['mode']} / {base['mode']}: time {f['seconds'] / base['seconds']:.2f}x, "
             f"memory above the model {above:.2f}x"
         )
 
