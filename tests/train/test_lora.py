@@ -111,7 +111,10 @@ def count_layer_forwards(model) -> list[int]:
     return calls
 
 
-def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes(tiny_dir):
+@pytest.mark.parametrize("share", [False, True])  # shared: the backward's recompute attends by layout
+def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes(tiny_dir, share):
+    from grpokit.models.loading import SharingCosts
+
     grads, forwards = [], []
     for checkpointing in (False, True):
         model, tok = load_model(str(tiny_dir), gradient_checkpointing=checkpointing)
@@ -127,9 +130,10 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes(tiny_dir
         )
         batch = TrainBatch.from_rollout(rollout, torch.tensor([1.0, -1.0, 0.5, 0.2, -0.3, 0.1]))
         model.train(checkpointing)
-        accumulate_policy_gradient(
-            model, batch, plan_micro_batches(batch.total_lengths(), 2), 0, temperature=1.0, loss=LossSpec()
-        )
+        plan = [list(range(6))] if share else plan_micro_batches(batch.total_lengths(), 2)
+        layout = {"share": SharingCosts(1.0, 0.0)} if share else {}
+        stats = accumulate_policy_gradient(model, batch, plan, 0, temperature=1.0, loss=LossSpec(), **layout)
+        assert stats.shared_rows == (6 if share else 0)
         grads.append([p.grad.clone() for p in model.parameters()])
         forwards.append(calls[0])
     for a, b in zip(*grads, strict=True):
