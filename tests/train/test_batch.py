@@ -445,6 +445,35 @@ def test_sliding_window_models_share_the_micro_batches_inside_their_window(
     assert (unguarded[mask] - padded[mask]).abs().max() > 1e-6
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_shared_prompt_gradients_equal_padded_gradients_on_qwen(uneven64, monkeypatch, family):
+    # the other families' attention calls the shared attention too: Qwen2's q/k/v biases, Qwen3's
+    # q/k norms before the rotary, 3 query heads per key head
+    import importlib
+
+    import transformers
+
+    name = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+    def forward(self, x):  # float64 throughout, as float64_norms does for Llama
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
+
+    monkeypatch.setattr(getattr(modeling, f"{name}RMSNorm"), "forward", forward)
+    _, tok, batch = uneven64
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    model = getattr(transformers, f"{name}ForCausalLM")(config).double()
+    if family == "qwen2":  # biases are zero at initialisation: make them count
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    _assert_layout_equals_padded(model, batch, "token_mean", True, share=SharingCosts(1.0, 0.0))
+
+
 def test_group_plan_keeps_each_prompts_rows_together():
     from grpokit.train.batch import plan_groups, plan_optimizer_steps
 
