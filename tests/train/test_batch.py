@@ -350,7 +350,7 @@ def float64_norms(monkeypatch):
 @pytest.mark.parametrize("aggregation", AGGS)
 @pytest.mark.parametrize("fused_head", [False, True])
 def test_shared_prompt_gradients_equal_padded_gradients(uneven64, aggregation, fused_head, float64_norms):
-    # one sequence per prompt (4D mask) gives the padded plan's log-probs, loss, metrics and
+    # one sequence per prompt (attending by layout) gives the padded plan's log-probs, loss, metrics and
     # gradient, whether a micro-batch holds whole groups or splits them
     model, _, batch = uneven64
     _assert_layout_equals_padded(model, batch, aggregation, fused_head, share=ALWAYS_SHARE)
@@ -402,7 +402,7 @@ def test_prompt_sharing_needs_sdpa_and_knows_the_sliding_window(tiny):
 def test_sliding_window_models_share_the_micro_batches_inside_their_window(
     uneven64, monkeypatch, below_longest
 ):
-    # the 4D mask skips the sliding window's cut, which changes nothing while a row fits in the
+    # the shared attention skips the sliding window's cut, which changes nothing while a row fits in the
     # window (float64: the padded plan exactly); a micro-batch with a longer row stays padded
     from transformers import MistralConfig, MistralForCausalLM
     from transformers.models.mistral import modeling_mistral

@@ -388,17 +388,18 @@ def sliding_window(config) -> int | None:
 
 def prompt_sharing_reason(model) -> str | None:
     """None when the trainer may compute each prompt once for all its rows (``train.share_prompts``):
-    a family whose layers take a custom 4D attention mask as it is (transformers' mask builders
-    return one unchanged) through SDPA; else why not. A sliding window does not stop it: the mask
-    skips its cut, so :func:`grpokit.train.batch.collate` shares only micro-batches whose rows fit
-    inside the window (``SharingCosts.window``), where the window cuts nothing."""
+    a family whose layers call transformers' attention interface, which
+    :mod:`grpokit.models.shared_prompts` routes to its own SDPA attention; else why not. A sliding
+    window does not stop it: that attention skips its cut, so :func:`grpokit.train.batch.collate`
+    shares only micro-batches whose rows fit inside the window (``SharingCosts.window``), where the
+    window cuts nothing."""
     inner = hf_model(model)
     config = getattr(inner, "config", None)
     if (why := family_reason(config)) is not None:
         return why
     attn = getattr(config, "_attn_implementation", None)
     if attn != "sdpa":
-        return f"its attention implementation is {attn!r}, not 'sdpa' (a boolean 4D mask needs SDPA)"
+        return f"its attention implementation is {attn!r}, not 'sdpa' (the shared-prompt attention is SDPA)"
     return None
 
 

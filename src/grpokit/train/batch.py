@@ -242,7 +242,7 @@ def collate(
     context mask (an episode's environment tokens are context); ``completion_mask`` is the loss mask.
     ``share`` (the model's costs, :func:`grpokit.models.loading.prompt_sharing_costs`): each prompt
     once (:func:`collate_shared`) where :func:`sharing_pays` and every row fits in the model's
-    sliding window (the 4D mask does not cut it); else ``packed``: padding-free
+    sliding window (the shared attention does not cut it); else ``packed``: padding-free
     (:func:`collate_packed`)."""
     if share is not None and _fits_window(batch, rows, share.window):
         groups = _prompt_groups(batch, rows)
