@@ -334,6 +334,11 @@ def test_shared_layout_holds_each_prompt_once(uneven64):
     )
 
 
+def rms_norm_in_its_dtype(self, x):
+    """An HF RMSNorm's forward in the input's dtype (HF's computes in float32 even for float64)."""
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
+
+
 @pytest.fixture()
 def float64_norms(monkeypatch):
     """HF's LlamaRMSNorm computes in float32 even for a float64 model; sharing sums a prompt's
@@ -341,10 +346,7 @@ def float64_norms(monkeypatch):
     hide a real difference. In float64 throughout, the two must agree to 1e-9."""
     from transformers.models.llama import modeling_llama
 
-    def forward(self, x):
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
-
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_its_dtype)
 
 
 @pytest.mark.parametrize("aggregation", AGGS)
@@ -409,10 +411,8 @@ def test_sliding_window_models_share_the_micro_batches_inside_their_window(
 
     from grpokit.models.loading import prompt_sharing_costs, prompt_sharing_reason
 
-    def forward(self, x):  # float64 throughout, as float64_norms does for Llama
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
-
-    monkeypatch.setattr(modeling_mistral.MistralRMSNorm, "forward", forward)
+    # float64 throughout, as float64_norms does for Llama
+    monkeypatch.setattr(modeling_mistral.MistralRMSNorm, "forward", rms_norm_in_its_dtype)
     _, tok, batch = uneven64
     contexts = batch.context_mask.sum(dim=1).tolist()
     row_lengths = [len(p) + n for p, n in zip(batch.prompt_ids, contexts, strict=True)]
@@ -456,10 +456,8 @@ def test_shared_prompt_gradients_equal_padded_gradients_on_qwen(uneven64, monkey
     name = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
 
-    def forward(self, x):  # float64 throughout, as float64_norms does for Llama
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
-
-    monkeypatch.setattr(getattr(modeling, f"{name}RMSNorm"), "forward", forward)
+    # float64 throughout, as float64_norms does for Llama
+    monkeypatch.setattr(getattr(modeling, f"{name}RMSNorm"), "forward", rms_norm_in_its_dtype)
     _, tok, batch = uneven64
     torch.manual_seed(0)
     config = getattr(transformers, f"{name}Config")(
