@@ -458,12 +458,17 @@ def _maybe_fused(
     adapters, start = [], 0
     for x, b in zip(linears, bases, strict=True):
         if x is not b:
-            (name,) = x.active_adapters
-            adapters.append(
-                (x.lora_A[name].weight, x.lora_B[name].weight, x.scaling[name], start, start + len(b.weight))
-            )
+            adapters.append(_adapter(x, start))
         start += len(b.weight)
     return [Lora(fused, _stacked(adapters, start, cast))]
+
+
+def _adapter(layer: torch.nn.Module, start: int) -> tuple:
+    """peft LoRA ``layer``'s active adapter as ``(A, B, scaling, start, stop)``: it adds to the output
+    columns ``[start, start + out_features)`` (of a fused base; 0 alone)."""
+    (name,) = layer.active_adapters
+    B = layer.lora_B[name].weight
+    return (layer.lora_A[name].weight, B, layer.scaling[name], start, start + len(B))
 
 
 def _stacked(adapters: list[tuple], width: int, cast: torch.dtype | None) -> tuple:
@@ -512,10 +517,8 @@ def _projection(layer: torch.nn.Module, cast: torch.dtype | None, pack: torch.dt
     call); A and B are trainable, so autocast casts them once per context itself."""
     if type(layer) is torch.nn.Linear:
         return _pack(_cast((layer.weight, layer.bias), cast), pack)
-    (name,) = layer.active_adapters  # its base packed like a plain layer
-    base = _pack(_cast((layer.base_layer.weight, layer.base_layer.bias), cast), pack)
-    A, B = layer.lora_A[name].weight, layer.lora_B[name].weight
-    return Lora(base, ((A, B, layer.scaling[name], 0, len(B)),))
+    base = _pack(_cast((layer.base_layer.weight, layer.base_layer.bias), cast), pack)  # as a plain layer
+    return Lora(base, (_adapter(layer, 0),))
 
 
 def _pack_dtype(weight: torch.Tensor, cast: torch.dtype | None) -> torch.dtype | None:
