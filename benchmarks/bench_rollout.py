@@ -15,7 +15,10 @@ the top operators and top Python functions (cProfile) by their own time.
 `--model smollm2` runs the same side-by-side on SmolLM2-135M-Instruct at G = 8: 4 word problems
 rendered with the smollm2 recipe's chat template and system prompt, 96 new tokens at temperature
 0.7, both in float32 and under bfloat16 autocast (the recipe's precision, logits in float32 on
-grpokit's side; HF `generate` under the same autocast).
+grpokit's side; HF `generate` under the same autocast). A third column is grpokit's own path with
+each prompt's keys kept once per row, as before the prompts were shared (`decode.SHARE_BYTES`).
+`--shots K` puts K worked word problems (question and boxed answer) before each question, for
+longer prompts.
 
 `--draw` times one token draw for 64 rows at Qwen2's vocabulary (151,936): the sampler's
 two-level inverse-CDF draw, the full-width float64 scan it replaced, and `torch.multinomial`
@@ -86,7 +89,18 @@ def ours_hf_forward(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temp
     return ours(model, tok, G, n, seed, prompts, temperature, decode="hf")
 
 
-def smollm2(reps: int, compile_step: bool = False) -> None:
+def ours_unshared(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperature: float = 1.0) -> int:
+    """:func:`ours` with every prompt's keys kept once per row (``decode.SHARE_BYTES`` out of reach)."""
+    from grpokit.rollout import decode
+
+    shared, decode.SHARE_BYTES = decode.SHARE_BYTES, 2**62
+    try:
+        return ours(model, tok, G, n, seed, prompts, temperature)
+    finally:
+        decode.SHARE_BYTES = shared
+
+
+def smollm2(reps: int, compile_step: bool = False, shots: int = 0) -> None:
     from grpokit.config import load_config
     from grpokit.data.datasets import build_prompt
     from grpokit.data.tasks import TaskSource
@@ -94,25 +108,38 @@ def smollm2(reps: int, compile_step: bool = False) -> None:
     cfg = load_config("smollm2")
     model, tok = load_model(cfg.model.name_or_path)
     source = TaskSource("word_problems", seed=0)
+    examples = [source.row(4 + i) for i in range(shots)]  # worked problems before each question
+    solved = "".join(f"{r['prompt']}\nAnswer: \\boxed{{{r['answer']}}}\n\n" for r in examples)
     prompts = [
-        build_prompt(source.row(i), tok, chat_template=True, system_prompt=cfg.data.system_prompt)
-        for i in range(4)
-    ]
+        build_prompt(
+            {**row, "prompt": solved + row["prompt"]}, tok, chat_template=True,
+            system_prompt=cfg.data.system_prompt,
+        )
+        for row in (source.row(i) for i in range(4))
+    ]  # fmt: skip
     if compile_step:
         compile_cost(model, tok, prompts, 8, cfg.rollout.max_new_tokens, reps, "float32")
         keep_head_float32(model)
         compile_cost(model, tok, prompts, 8, cfg.rollout.max_new_tokens, reps, "bfloat16")
         return
     G, n, temp = 8, cfg.rollout.max_new_tokens, cfg.rollout.temperature
-    print(f"SmolLM2-135M-Instruct, 4 word problems x G={G}, {n} new tokens, T={temp}, {reps} reps\n")
-    print("| precision | grpokit tok/s (median, min-max) | HF generate tok/s (median, min-max) | ratio |")
-    print("|---|---:|---:|---:|")
+    lengths = [len(tok(p).input_ids) for p in prompts]
+    print(
+        f"SmolLM2-135M-Instruct, 4 word problems ({shots} worked examples before each; prompts of "
+        f"{min(lengths)}-{max(lengths)} tokens) x G={G}, {n} new tokens, T={temp}, {reps} reps\n"
+    )
+    print(
+        "| precision | grpokit tok/s (median, min-max) | grpokit, prompts not shared tok/s "
+        "| HF generate tok/s (median, min-max) | ratio | ratio, not shared |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    sides = (("ours", ours), ("whole", ours_unshared), ("hf", hf_generate))
     for precision in ("float32", "bfloat16"):
         if precision == "bfloat16":
             keep_head_float32(model)
-        rates = {"ours": [], "hf": []}
+        rates = {name: [] for name, _ in sides}
         for rep in range(reps):
-            for name, fn in (("ours", ours), ("hf", hf_generate)):
+            for name, fn in sides:
                 ctx = (
                     mixed_precision("cpu", "bfloat16")
                     if precision == "bfloat16"
@@ -122,11 +149,10 @@ def smollm2(reps: int, compile_step: bool = False) -> None:
                 with ctx:
                     produced = fn(model, tok, G, n, rep, prompts, temp)
                 rates[name].append(produced / (time.perf_counter() - t))
-        o, h = rates["ours"], rates["hf"]
+        med = {name: statistics.median(r) for name, r in rates.items()}
+        cells = " | ".join(f"{med[k]:.0f} ({min(r):.0f}-{max(r):.0f})" for k, r in rates.items())
         print(
-            f"| {precision} | {statistics.median(o):.0f} ({min(o):.0f}-{max(o):.0f}) | "
-            f"{statistics.median(h):.0f} ({min(h):.0f}-{max(h):.0f}) | "
-            f"{statistics.median(o) / statistics.median(h):.2f}x |",
+            f"| {precision} | {cells} | {med['ours'] / med['hf']:.2f}x | {med['whole'] / med['hf']:.2f}x |",
             flush=True,
         )
 
@@ -275,6 +301,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--shots", type=int, default=0, help="smollm2: worked examples before each problem")
     a = ap.parse_args()
     if a.draw:
         draw_cost()
@@ -283,7 +310,7 @@ def main() -> None:
         episodes(a.reps)
         return
     if a.model == "smollm2":
-        smollm2(a.reps, a.compile)
+        smollm2(a.reps, a.compile, a.shots)
         return
     model, tok = load_model("tiny")
     if a.profile:

@@ -15,6 +15,10 @@ On a CPU, the projections with at least :data:`PACK_NUMEL` weights and a float32
 matmul on copies of their weights reordered once per call into its blocked layout (:class:`Packed`),
 faster than F.linear's MKL product for a decode step's few rows (same tokens in the tests, logits
 to float32 rounding).
+When the G rows' copies of the prompts' keys would be large (:data:`SHARE_BYTES`; on a CPU), the
+cache holds each prompt's keys once (:class:`SharedPrefix`) and a step's attention is split: a
+group's queries attend to their prompt together, each row to its own tokens, merged by the two
+log-sum-exps (:func:`_prefix_attention`; exact in float64, another rounding in float32 and bfloat16).
 Under peft's vanilla LoRA (one active, unmerged adapter) each adapted projection runs peft's own
 arithmetic, ``x W^T + b + s * (x A^T) B^T``; on a CPU its base product ``x W^T + b`` is packed like a
 plain projection's (q/k/v and gate/up bases then fused into one product each, their adapters one
@@ -173,7 +177,9 @@ class KVState:
     """The decoding batch: per layer keys / values [b, K, C, D] filled up to ``length``, the
     attention bias of each key position ([b, C] in the keys' dtype: -inf at the prompts' left
     padding and episodes' chunk padding, else 0: SDPA's own conversion of a bool mask, made once
-    instead of per layer and step), each row's next position."""
+    instead of per layer and step), each row's next position. With ``prefix`` (see
+    :data:`SHARE_BYTES`) the prompts' keys live there, once per prompt, and ``keys`` /
+    ``values`` / ``key_bias`` hold only the positions after the prompt."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -181,6 +187,51 @@ class KVState:
     positions: torch.Tensor  # [b] long
     length: int
     padded: bool  # some key is masked (key_bias has -inf): False lets a step's attention skip the bias
+    prefix: SharedPrefix | None = None
+
+
+@dataclass
+class SharedPrefix:
+    """The prompts' keys and values, once per prompt: the G rows of a group attend to them together
+    (:func:`_prefix_attention`). Rows sit in a grid of P x G slots, group after group, as the prompt
+    pass made them; ``slots`` says which slot each row of the batch is once rows have left it."""
+
+    keys: list[torch.Tensor]  # per layer [P, K, L, D], in the dtype attention computes in
+    values: list[torch.Tensor]
+    bias: torch.Tensor | None  # [P, 1, 1, L]: -inf at a prompt's left padding; None: no padding
+    group: int  # G
+    slots: torch.Tensor | None  # [b] long: each row's slot; None while the rows are every slot, in order
+
+    def select(self, keep_b: torch.Tensor) -> SharedPrefix:
+        """The prefix of the rows ``keep_b``: prompts none of them comes from are dropped (one copy
+        of the remaining prompts' keys, so attention stops reading them)."""
+        P, G = self.keys[0].shape[0], self.group
+        every = torch.arange(P * G, device=keep_b.device)
+        slots_b = (every if self.slots is None else self.slots)[keep_b]
+        prompt_b = torch.div(slots_b, G, rounding_mode="floor")
+        live_p = torch.unique(prompt_b)  # sorted
+        keys, values, bias = self.keys, self.values, self.bias
+        if len(live_p) < P:
+            keys = [k.index_select(0, live_p) for k in keys]
+            values = [v.index_select(0, live_p) for v in values]
+            bias = None if bias is None else bias.index_select(0, live_p)
+            renumber_P = torch.full((P,), -1, dtype=torch.long, device=keep_b.device)
+            renumber_P[live_p] = torch.arange(len(live_p), device=keep_b.device)
+            slots_b = renumber_P[prompt_b] * G + slots_b % G
+        if len(slots_b) == len(live_p) * G and torch.equal(slots_b, every[: len(slots_b)]):
+            slots_b = None
+        return SharedPrefix(keys, values, bias, G, slots_b)
+
+
+# A prompt pass of G >= 2 rows per prompt whose prompts' keys and values would take at least this
+# many bytes per layer in a cache of every row keeps each prompt's keys once instead (SharedPrefix):
+# a step's attention reads them once per group, for all G rows' queries together, attends to each
+# row's own tokens apart, and merges the two by their log-sum-exps. Below it the extra operations per
+# layer (a second attention call, the merge) cost more than the reading they save. Measured on a
+# 2-core CPU at 32 rows (docs/benchmarks.md), a step broke even at 1.5 MiB for SmolLM2 in bfloat16
+# (64-token prompts), 2 MiB for the shipped tiny model (256) and about 3 MiB for the 3M model (96).
+# It needs the log-sum-exps of PyTorch's CPU flash attention (a CPU only).
+SHARE_BYTES = 2 * 2**20
 
 
 class OwnDecoder:
@@ -254,6 +305,19 @@ class OwnDecoder:
         values: list = [None] * len(self.layers)
         hidden_Nd = self._forward(ids_PL, positions_PL, attend_P1LL, keys, values, 0, prefill=True)
         b = P * group_size
+        positions_b = mask_PL.sum(dim=1).repeat_interleave(group_size)
+        logits_PV = self._logits(hidden_Nd.view(P, L, -1)[:, -1])
+        padded = not bool(mask_PL.all())
+        if group_size > 1 and shares_prefix(keys[0], b):
+            bias_P11L = None  # -inf at each prompt's left padding
+            if padded:
+                bias_P11L = keys[0].new_zeros((P, 1, 1, L)).masked_fill_(~mask_PL[:, None, None], -torch.inf)
+            prefix = SharedPrefix(keys, values, bias_P11L, group_size, None)
+            own = capacity - L  # the cache below holds the positions after the prompt
+            keys = [k.new_empty((b, self.K, own, self.D)) for k in prefix.keys]
+            values = [v.new_empty((b, self.K, own, self.D)) for v in prefix.values]
+            state = KVState(keys, values, keys[0].new_zeros((b, own)), positions_b, 0, False, prefix)
+            return logits_PV.repeat_interleave(group_size, dim=0), state
         for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             keys[i] = k.new_empty((b, self.K, capacity, self.D))
             values[i] = v.new_empty((b, self.K, capacity, self.D))
@@ -261,9 +325,6 @@ class OwnDecoder:
             values[i][:, :, :L] = v.repeat_interleave(group_size, dim=0)
         key_bias = keys[0].new_zeros((b, capacity))
         key_bias[:, :L].masked_fill_(~mask_PL.repeat_interleave(group_size, dim=0), float("-inf"))
-        positions_b = mask_PL.sum(dim=1).repeat_interleave(group_size)
-        logits_PV = self._logits(hidden_Nd.view(P, L, -1)[:, -1])
-        padded = not bool(mask_PL.all())
         state = KVState(keys, values, key_bias, positions_b, L, padded)
         return logits_PV.repeat_interleave(group_size, dim=0), state
 
@@ -276,8 +337,9 @@ class OwnDecoder:
         # an all-zero one, one addition fewer per score)
         attend_b11S = state.key_bias[:, None, None, :length] if state.padded else None
         hidden_bd = self._forward(
-            ids_b[:, None], state.positions[:, None], attend_b11S, state.keys, state.values, state.length
-        )
+            ids_b[:, None], state.positions[:, None], attend_b11S, state.keys, state.values, state.length,
+            prefix=state.prefix,
+        )  # fmt: skip
         state.length, state.positions = length, state.positions + 1
         return self._logits(hidden_bd)
 
@@ -299,7 +361,9 @@ class OwnDecoder:
         # a padding query sees the real keys before the chunk, so no softmax row is empty (NaN)
         attend_b1wS = state.key_bias[:, None, None, :length].masked_fill(future_wS, float("-inf"))
         positions_bw = state.positions[:, None] + (real_bw.long().cumsum(dim=1) - 1).clamp(min=0)
-        hidden_Nd = self._forward(ids_bw, positions_bw, attend_b1wS, state.keys, state.values, start)
+        hidden_Nd = self._forward(
+            ids_bw, positions_bw, attend_b1wS, state.keys, state.values, start, prefix=state.prefix
+        )
         n_b = real_bw.sum(dim=1)
         state.length, state.positions = length, state.positions + n_b
         return self._logits(hidden_Nd.view(b, w, -1)[torch.arange(b, device=ids_bw.device), n_b - 1])
@@ -335,6 +399,8 @@ class OwnDecoder:
         state.key_bias[:m, :n] = state.key_bias[keep_b, :n]  # the slots past n are 0 in every row
         state.keys, state.values = [k[:m] for k in state.keys], [v[:m] for v in state.values]
         state.key_bias, state.positions = state.key_bias[:m], state.positions[keep_b]
+        if state.prefix is not None:
+            state.prefix = state.prefix.select(keep_b)
 
     def _logits(self, hidden_bd: torch.Tensor) -> torch.Tensor:
         """The next-token logits [b, V]. A float32 head (a plain one outside autocast, no hook, or
@@ -370,10 +436,11 @@ class OwnDecoder:
         out_bV = torch.matmul(h_bd, weight.t(), out=self._logits_buf[:b])
         return out_bV if bias is None else out_bV.add_(bias)
 
-    def _forward(self, ids, positions, attend, keys, values, start: int, prefill: bool = False):
+    def _forward(self, ids, positions, attend, keys, values, start: int, prefill: bool = False, prefix=None):
         """The last hidden states [b*Q, d] of ``ids`` [b, Q] (rows in (b, Q) order). Every token is one
         row of 2-D tensors outside attention: a one-token step's projections, norms and rotary run
-        without the Q dimension's views and transposes (10-15% of a step at the shipped model)."""
+        without the Q dimension's views and transposes (10-15% of a step at the shipped model).
+        ``prefix``: the prompts' keys are there, ``keys`` / ``values`` hold the later positions."""
         b, Q = ids.shape
         H, K, D = self.H, self.K, self.D
         x = F.embedding(ids.reshape(-1), self.embed)  # [N, d], N = b * Q
@@ -397,7 +464,13 @@ class OwnDecoder:
                 q, k = qk[:, :H], qk[:, H:]
             else:
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            if Q == 1 and not prefill:  # one token per row
+            if prefix is not None:  # a step or a chunk, after a shared prompt
+                keys[i][:, :, start : start + Q] = k.view(b, Q, K, D).transpose(1, 2)
+                values[i][:, :, start : start + Q] = v.view(b, Q, K, D).transpose(1, 2)
+                out = _prefix_attention(
+                    q, prefix, i, keys[i][:, :, : start + Q], values[i][:, :, : start + Q], attend, b
+                )
+            elif Q == 1 and not prefill:  # one token per row
                 keys[i][:, :, start] = k
                 values[i][:, :, start] = v
                 # the G = H / K query heads of a kv head are one query block
@@ -427,6 +500,61 @@ class OwnDecoder:
                 gate, up = (_linear(w, h) for w in layer.gate_up)
             x = x + _linear(layer.down, F.silu(gate) * up)
         return x
+
+
+def shares_prefix(keys: torch.Tensor, rows: int) -> bool:
+    """Whether a prompt pass of ``rows`` = P * G rows keeps each prompt's keys ``keys``
+    [P, K, L, D] once (:data:`SHARE_BYTES`); the caller checks G >= 2."""
+    return 2 * keys[0].nbytes * rows >= SHARE_BYTES and keys.device.type == "cpu" and flash_lse_available()
+
+
+@functools.cache
+def flash_lse_available() -> bool:
+    """Whether this torch build has the CPU flash attention that returns its log-sum-exps (an
+    internal PyTorch operator, the one SDPA runs on a CPU; without it prompts are not shared)."""
+    try:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _prefix_attention(q_NHD, prefix: SharedPrefix, layer: int, keys, values, attend, b: int) -> torch.Tensor:
+    """Attention of ``q`` [b*Q, H, D] (rows in (b, Q) order) over [the row's prompt | its keys after
+    the prompt], as [b*Q, H*D]. The softmax over both is split: per prompt, all its G rows' queries
+    attend to its keys at once (one read of them); each row's queries attend to its own keys
+    (``keys`` / ``values`` [b, K, S, D], ``attend`` [b, 1, Q, S] or None); the two outputs are merged
+    by their log-sum-exps, ``o = (e^l1 o1 + e^l2 o2) / (e^l1 + e^l2) = lerp(o2, o1, sigmoid(l1 - l2))``,
+    in float32 at least. Each part is never empty (a prompt has a real token; a row's own keys include its
+    first new token), so both log-sum-exps are finite."""
+    N, H, D = q_NHD.shape
+    K, Q = keys.shape[1], N // b
+    m = Q * (H // K)  # queries per row and kv head: the Q tokens' G = H / K heads
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    # the query block of a row's kv head, in (Q, head) order; in the keys' dtype, as SDPA's autocast
+    q_bKmD = q_NHD.to(keys.dtype).view(b, Q, K, H // K, D).transpose(1, 2).reshape(b, K, m, D)
+    P, G = prefix.keys[layer].shape[0], prefix.group
+    if prefix.slots is None:
+        grid_bKmD = q_bKmD
+    else:  # rows have left: their slots' queries are zeros, and their outputs are not read
+        grid_bKmD = q_bKmD.new_zeros((P * G, K, m, D)).index_copy_(0, prefix.slots, q_bKmD)
+    q_PKnD = grid_bKmD.view(P, G, K, m, D).transpose(1, 2).reshape(P, K, G * m, D)
+    o1_PKnD, l1_PKn = flash(q_PKnD, prefix.keys[layer], prefix.values[layer], attn_mask=prefix.bias)
+    o1_PGKmD = o1_PKnD.view(P, K, G, m, D).transpose(1, 2)  # views, in the rows' order
+    l1_PGKm = l1_PKn.view(P, K, G, m).transpose(1, 2)
+    if attend is not None and Q > 1:  # each token's mask row, for each of its heads
+        S = attend.shape[-1]
+        attend = attend[:, :, :, None].expand(b, 1, Q, H // K, S).reshape(b, 1, m, S)
+    o2_bKmD, l2_bKm = flash(q_bKmD, keys, values, attn_mask=attend)
+    if prefix.slots is None:  # the rows are the grid: merge on views, no copy of the prefix's outputs
+        o1, l1 = o1_PGKmD, l1_PGKm
+        o2, l2 = o2_bKmD.view(P, G, K, m, D), l2_bKm.view(P, G, K, m)
+    else:
+        o1, l1 = o1_PGKmD.reshape(P * G, K, m, D)[prefix.slots], l1_PGKm.reshape(P * G, K, m)[prefix.slots]
+        o2, l2 = o2_bKmD, l2_bKm
+    acc = torch.promote_types(keys.dtype, torch.float32)  # (float64 stays float64)
+    out = torch.lerp(o2.to(acc), o1.to(acc), torch.sigmoid(l1 - l2).to(acc)[..., None])  # laid out as o2
+    return out.to(keys.dtype).reshape(b, K, Q, H // K, D).transpose(1, 2).reshape(N, H * D)
 
 
 def _projections(layer) -> tuple:
