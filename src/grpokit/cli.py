@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="no oneDNN weight copies on the own decode path, for memory (rollout.reorder_weights: false)",
     )
+    ev.add_argument(
+        "--no-share-prompts",
+        dest="share_prompts",
+        action="store_false",
+        help="G copies of each prompt's keys on the own decode path (rollout.share_prompts: false)",
+    )
     ev.add_argument("--out", help="also write the JSON result to this file")
 
     export = sub.add_parser("export", help="write a plain Hugging Face model directory from a run")
@@ -295,6 +301,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         answer_column=args.answer_column,
         decode=args.decode,
         reorder_weights=args.reorder_weights,
+        share_prompts=args.share_prompts,
     )
     greedy = evaluate(model, tok, rows, prompts, rewards, max_new_tokens=args.max_new_tokens, **options)
     result = {

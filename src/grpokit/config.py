@@ -132,6 +132,14 @@ class RolloutConfig:
         "held during the call, about the projections' size in the compute dtype). false: F.linear on "
         "the weights as they are, no copy.",
     )
+    share_prompts: bool = _f(
+        True,
+        "Own decode path on a CPU: when the G rows' copies of the prompts' keys and values would take "
+        "2 MiB+ a layer, keep each prompt's keys once; a step attends to the prompt with the group's "
+        "queries together and to each row's own tokens apart, merged by log-sum-exps (SmolLM2-135M: a "
+        "1.8-3.2x smaller KV cache, 1.03-1.06x faster sampling at 90-token prompts, 1.2x at 300; exact "
+        "in float64, another rounding in float32 / bfloat16). false: G copies, HF's attention values.",
+    )
     group_size: int = _f(8, "G: completions sampled per prompt (>= 2).")
     max_new_tokens: int = _f(32, "Longest completion, in tokens; longer ones are truncated.")
     temperature: float = _f(

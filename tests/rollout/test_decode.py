@@ -594,9 +594,11 @@ def test_rows_leaving_move_to_the_front_of_the_same_buffers(slack):
         torch.testing.assert_close(own_logits, hf_logits, rtol=0, atol=1e-5 * slack.f32)
 
 
-@pytest.mark.parametrize("decode,reorder", [("auto", True), ("auto", False), ("hf", True)])
+@pytest.mark.parametrize(
+    "decode,reorder,share", [("auto", True, True), ("auto", False, False), ("hf", True, True)]
+)
 def test_the_trainer_samples_on_the_path_rollout_decode_names(
-    tmp_path, tiny_dir, monkeypatch, decode, reorder
+    tmp_path, tiny_dir, monkeypatch, decode, reorder, share
 ):
     import grpokit.rollout.sampler as sampler_module
     from grpokit.config import load_config
@@ -605,9 +607,9 @@ def test_the_trainer_samples_on_the_path_rollout_decode_names(
 
     used = []
 
-    def spy(model, mode, capacity, reorder_weights):
-        decoder = decoder_for(model, mode, capacity, reorder_weights)
-        used.append((decoder.name, getattr(decoder, "reorder", None)))
+    def spy(model, mode, capacity, reorder_weights, share_prompts):
+        decoder = decoder_for(model, mode, capacity, reorder_weights, share_prompts)
+        used.append((decoder.name, getattr(decoder, "reorder", None), getattr(decoder, "share", None)))
         return decoder
 
     monkeypatch.setattr(sampler_module, "decoder_for", spy)
@@ -615,12 +617,12 @@ def test_the_trainer_samples_on_the_path_rollout_decode_names(
         "model.name_or_path": str(tiny_dir), "train.output_dir": str(tmp_path / "run"),
         "train.quiet": True, "train.max_steps": 1, "train.prompts_per_step": 2, "rollout.group_size": 2,
         "rollout.max_new_tokens": 4, "train.eval_max_prompts": 2, "rollout.decode": decode,
-        "rollout.reorder_weights": reorder,
+        "rollout.reorder_weights": reorder, "rollout.share_prompts": share,
     }  # fmt: skip
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     GRPOTrainer(cfg, rewards=[varied]).train()
     # training and evaluation
-    assert used and set(used) == ({("own", reorder)} if decode == "auto" else {("hf", None)})
+    assert used and set(used) == ({("own", reorder, share)} if decode == "auto" else {("hf", None, None)})
 
 
 @needs_onednn
@@ -640,6 +642,23 @@ def test_reorder_weights_false_packs_nothing(monkeypatch):
         for r in (True, False)
     ]
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+
+
+def test_share_prompts_false_keeps_g_copies_and_hfs_values(monkeypatch):
+    monkeypatch.setattr("grpokit.rollout.decode.SHARE_BYTES", 0)
+    model, tok = build("qwen2")
+    ids, mask = encode_prompts(tok, PROMPTS)
+    with torch.no_grad():
+        assert OwnDecoder(model).prefill(ids, mask, 2, ids.shape[1] + 2)[1].prefix is not None
+        assert OwnDecoder(model, share=False).prefill(ids, mask, 2, ids.shape[1] + 2)[1].prefix is None
+    p = SamplingParams(max_new_tokens=12, temperature=1.0)
+    runs = {
+        mode: sample(model, tok, PROMPTS, 3, replace(p, **kw), torch.Generator().manual_seed(2))
+        for mode, kw in (("hf", {"decode": "hf"}), ("whole", {"share_prompts": False}), ("shared", {}))
+    }  # fmt: skip
+    assert torch.equal(runs["whole"].sampler_logp, runs["hf"].sampler_logp)  # the same attention calls
+    assert not torch.equal(runs["shared"].sampler_logp, runs["hf"].sampler_logp)  # another rounding
+    assert torch.equal(runs["shared"].completion_ids, runs["hf"].completion_ids)
 
 
 def test_the_trainer_says_once_why_a_model_takes_the_hf_path(tmp_path, capsys):

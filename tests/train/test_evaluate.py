@@ -149,9 +149,9 @@ def built(monkeypatch):
 
     calls, real = [], sampler.decoder_for
 
-    def recording(model, decode, capacity, reorder=True):
-        calls.append((decode, reorder))
-        return real(model, decode, capacity, reorder)
+    def recording(model, decode, capacity, reorder=True, share=True):
+        calls.append((decode, reorder, share))
+        return real(model, decode, capacity, reorder, share)
 
     monkeypatch.setattr(sampler, "decoder_for", recording)
     return calls
@@ -159,8 +159,8 @@ def built(monkeypatch):
 
 @pytest.mark.parametrize("evaluator", ["greedy", "sampled"])
 def test_evaluations_pass_the_decode_options_to_the_sampler(peaky, built, evaluator):
-    """``decode`` / ``reorder_weights`` reach the decoder each evaluation builds, and the HF forward
-    scores what the own path scores."""
+    """``decode`` / ``reorder_weights`` / ``share_prompts`` reach the decoder each evaluation builds,
+    and the HF forward scores what the own path scores."""
     from grpokit.config import RewardSpec
     from grpokit.data.tasks import TaskSource
     from grpokit.rewards.registry import build_rewards
@@ -180,8 +180,8 @@ def test_evaluations_pass_the_decode_options_to_the_sampler(peaky, built, evalua
         )
 
     own = run()
-    hf = run(decode="hf", reorder_weights=False)
-    assert built == [("auto", True), ("hf", False)]
+    hf = run(decode="hf", reorder_weights=False, share_prompts=False)
+    assert built == [("auto", True, True), ("hf", False, False)]
     assert hf == own
 
 
@@ -189,9 +189,10 @@ def test_eval_command_passes_decode_and_no_reorder_weights(built, capsys):
     from grpokit.cli import main
 
     args = ["eval", "--model", "tiny", "--task", "sort", "--limit", "3", "--n", "2", "--k", "1", "2"]
-    assert main([*args, "--max-new-tokens", "4", "--decode", "hf", "--no-reorder-weights"]) == 0
-    assert built == [("hf", False), ("hf", False)]  # the greedy pass, then the sampled one
+    extra = ["--decode", "hf", "--no-reorder-weights", "--no-share-prompts"]
+    assert main([*args, "--max-new-tokens", "4", *extra]) == 0
+    assert built == [("hf", False, False)] * 2  # the greedy pass, then the sampled one
     assert json.loads(capsys.readouterr().out)["num_prompts"] == 3
     built.clear()
     assert main([*args, "--max-new-tokens", "4"]) == 0
-    assert built == [("auto", True), ("auto", True)]
+    assert built == [("auto", True, True)] * 2

@@ -240,8 +240,10 @@ class OwnDecoder:
     name = "own"
     keep_finished = 0.25  # finished rows stay in the batch until they are over this share of it
 
-    def __init__(self, model, reorder: bool = True) -> None:
-        """``reorder`` False: no projection is packed for oneDNN (no weight copies; PACK_NUMEL)."""
+    def __init__(self, model, reorder: bool = True, share: bool = True) -> None:
+        """``reorder`` False: no projection is packed for oneDNN (no weight copies; PACK_NUMEL).
+        ``share`` False: the cache keeps G copies of each prompt's keys, whatever their size
+        (SHARE_BYTES)."""
         inner = hf_model(model)
         config, base = inner.config, inner.model
         self.H, self.K = config.num_attention_heads, config.num_key_value_heads
@@ -264,7 +266,7 @@ class OwnDecoder:
         # packed weights are copies anyway, so concatenating them first costs no memory past the
         # call's one layer at a time (_maybe_fused: layers under LoRA are fused only when packed)
         fuse = fused <= FUSE_BYTES or pack is not None
-        self.reorder = reorder
+        self.reorder, self.share = reorder, share
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
@@ -308,7 +310,7 @@ class OwnDecoder:
         positions_b = mask_PL.sum(dim=1).repeat_interleave(group_size)
         logits_PV = self._logits(hidden_Nd.view(P, L, -1)[:, -1])
         padded = not bool(mask_PL.all())
-        if group_size > 1 and shares_prefix(keys[0], b):
+        if self.share and group_size > 1 and shares_prefix(keys[0], b):
             bias_P11L = None  # -inf at each prompt's left padding
             if padded:
                 bias_P11L = keys[0].new_zeros((P, 1, 1, L)).masked_fill_(~mask_PL[:, None, None], -torch.inf)
@@ -770,12 +772,14 @@ class HFDecoder:
         state[1] = state[1][keep_b]
 
 
-def decoder_for(model, decode: str, capacity: int, reorder: bool = True) -> OwnDecoder | HFDecoder:
+def decoder_for(
+    model, decode: str, capacity: int, reorder: bool = True, share: bool = True
+) -> OwnDecoder | HFDecoder:
     """``decode``: ``auto`` (grpokit's own path where :func:`own_decoder_reason` allows, else HF's)
     or ``hf`` (always the model's own forward). ``reorder``: the own path may pack projections for
-    oneDNN (:class:`OwnDecoder`)."""
+    oneDNN; ``share``: it may keep each prompt's keys once (:class:`OwnDecoder`)."""
     if decode not in ("auto", "hf"):
         raise ValueError(f"decode must be 'auto' or 'hf', got {decode!r}")
     if decode == "auto" and own_decoder_reason(model, capacity) is None:
-        return OwnDecoder(model, reorder)
+        return OwnDecoder(model, reorder, share)
     return HFDecoder(model)

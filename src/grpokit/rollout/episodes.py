@@ -189,7 +189,7 @@ def sample_episodes(
     with sampling_mode(model):
         u_KB = uniforms(max_episode_tokens, total, row_offset, B, params.temperature, generator, device)
         capacity = prompt_ids.shape[1] + max_episode_tokens  # positions; padding may take more slots
-        decoder = decoder_for(model, params.decode, capacity, params.reorder_weights)
+        decoder = decoder_for(model, params.decode, capacity, params.reorder_weights, params.share_prompts)
         logits_bV, state = decoder.prefill(prompt_ids.to(device), prompt_mask.to(device), G, capacity)
 
         active = list(range(B))  # rows still running, in the cache's batch order

@@ -52,6 +52,8 @@ class SamplingParams:
     decode: str = "auto"
     # own path on a CPU: large projections on oneDNN, weights reordered per call (rollout.reorder_weights)
     reorder_weights: bool = True
+    # own path on a CPU: large prompts' keys kept once per group (rollout.share_prompts)
+    share_prompts: bool = True
 
 
 @dataclass
@@ -215,7 +217,7 @@ def sample(
     with sampling_mode(model):
         u_TB = uniforms(params.max_new_tokens, total, row_offset, B, params.temperature, generator, device)
         capacity = prompt_ids.shape[1] + params.max_new_tokens
-        decoder = decoder_for(model, params.decode, capacity, params.reorder_weights)
+        decoder = decoder_for(model, params.decode, capacity, params.reorder_weights, params.share_prompts)
         logits_bV, state = decoder.prefill(
             prompt_ids.to(device), prompt_mask.to(device), group_size, capacity
         )

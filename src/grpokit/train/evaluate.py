@@ -38,10 +38,12 @@ def evaluate(
     episodes: EpisodeSpec | None = None,
     decode: str = "auto",
     reorder_weights: bool = True,
+    share_prompts: bool = True,
 ) -> dict:
     """Greedy pass@1 over ``prompts`` (with their dataset ``rows`` as reward columns); with
     ``episodes``, of multi-turn episodes (the examples then also hold each ``transcript``).
-    ``decode`` / ``reorder_weights``: the sampler's, as ``rollout.decode`` / ``rollout.reorder_weights``.
+    ``decode`` / ``reorder_weights`` / ``share_prompts``: the sampler's, as ``rollout.decode`` /
+    ``rollout.reorder_weights`` / ``rollout.share_prompts``.
 
     ``prompt_column`` / ``answer_column`` name the dataset columns (the answer reaches the rewards
     as ``answer``, as in training).
@@ -50,7 +52,10 @@ def evaluate(
     (prompts the verifier scored), "examples"}``; ``examples`` holds the first five prompts with
     their completion, reward and ``answer`` column.
     """
-    params = SamplingParams(max_new_tokens, 0.0, stop=stop, decode=decode, reorder_weights=reorder_weights)
+    params = SamplingParams(
+        max_new_tokens, 0.0, stop=stop, decode=decode, reorder_weights=reorder_weights,
+        share_prompts=share_prompts,
+    )  # fmt: skip
     totals, verified, examples = [], [], []
     for s in range(0, len(prompts), batch_size):
         chunk_rows, chunk_prompts = rows[s : s + batch_size], prompts[s : s + batch_size]
@@ -132,10 +137,12 @@ def evaluate_sampled(
     episodes: EpisodeSpec | None = None,
     decode: str = "auto",
     reorder_weights: bool = True,
+    share_prompts: bool = True,
 ) -> dict:
     """pass@k (unbiased, from n samples per prompt) and maj@k (majority vote over the first k samples,
     answers compared after stripping whitespace), judged by the verifier rewards.
-    ``decode`` / ``reorder_weights``: the sampler's, as ``rollout.decode`` / ``rollout.reorder_weights``.
+    ``decode`` / ``reorder_weights`` / ``share_prompts``: the sampler's, as ``rollout.decode`` /
+    ``rollout.reorder_weights`` / ``rollout.share_prompts``.
 
     Returns ``{"n", "temperature", "reward_mean", "pass@k": {k: ...}, "maj@k": {k: ...}}``.
     """
@@ -145,8 +152,9 @@ def evaluate_sampled(
     if bad:
         raise ConfigError(f"every k must be in [1, n={n}], got {bad}")
     params = SamplingParams(
-        max_new_tokens, temperature, stop=stop, decode=decode, reorder_weights=reorder_weights
-    )
+        max_new_tokens, temperature, stop=stop, decode=decode, reorder_weights=reorder_weights,
+        share_prompts=share_prompts,
+    )  # fmt: skip
     generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     pass_sums = dict.fromkeys(ks, 0.0)
     maj_sums = dict.fromkeys(ks, 0.0)
@@ -202,5 +210,6 @@ def evaluate_sharded(
             episodes=episodes,
             decode=cfg.rollout.decode,
             reorder_weights=cfg.rollout.reorder_weights,
+            share_prompts=cfg.rollout.share_prompts,
         )
     return combine_evaluations(dist.all_gather_objects(result)) if dist.enabled else result

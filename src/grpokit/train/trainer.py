@@ -179,8 +179,9 @@ class GRPOTrainer:
         self.episodes = episodes_from_config(cfg, tokenizer, rollout_env(cfg))  # None: single turns
         r = cfg.rollout
         self.sampling = SamplingParams(
-            r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop), r.decode, r.reorder_weights
-        )
+            r.max_new_tokens, r.temperature, r.top_p, r.top_k, tuple(r.stop), r.decode, r.reorder_weights,
+            r.share_prompts,
+        )  # fmt: skip
         longest = None if d.max_prompt_length is None else d.max_prompt_length + r.max_new_tokens
         own = self.engine is None and r.decode == "auto"  # FSDP: the sampler decodes with shards gathered
         if own and (why := own_decoder_reason(model, longest, gathered=self.dist.fsdp)):
