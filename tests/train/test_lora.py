@@ -186,8 +186,8 @@ def test_sampler_and_trainer_log_probs_agree_with_packed_lora_bases(tmp_path, ti
     built = []
     real = decode.OwnDecoder.__init__
 
-    def spy(self, model, reorder=True):
-        real(self, model, reorder)
+    def spy(self, model, *args):
+        real(self, model, *args)
         qkv = self.layers[0].qkv[0]
         built.append((type(qkv.base).__name__, len(qkv.adapters)))
 
