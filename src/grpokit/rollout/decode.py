@@ -286,6 +286,16 @@ class OwnDecoder:
         self.rope = None  # [C, 2D] rotary table: cos | signed sin (see _signed), made at the prompt pass
         self._logits_buf: torch.Tensor | None = None  # see _logits
         self._head: Linear | None = None  # the float32 head as _pack leaves it (see _float32_logits)
+        # whether a step leaves autocast a weight to cast (a trainable leaf F.linear reads as it is,
+        # or a head called as a module): autocast keeps those casts only outside inference mode
+        self.casts_weights = cast is not None and (
+            not self._float32_head(autocast=True)
+            or any(
+                _autocast_casts(x, cast)
+                for layer in self.layers
+                for x in (*layer.qkv, layer.o, *layer.gate_up, layer.down)
+            )
+        )
 
     def prefill(
         self, ids_PL: torch.Tensor, mask_PL: torch.Tensor, group_size: int, capacity: int
@@ -409,19 +419,24 @@ class OwnDecoder:
         :func:`~grpokit.models.loading.keep_head_float32`'s) is computed by :meth:`_float32_logits`;
         any other head is called as the module."""
         h_bd = _rms_norm(hidden_bd, self.norm, self.eps)
-        head, device_type = self.head, h_bd.device.type
+        device_type = h_bd.device.type
         autocast = torch.is_autocast_enabled(device_type)
-        if not (
-            type(head) is torch.nn.Linear
-            and head.weight.dtype == torch.float32
-            and not (head._forward_hooks or head._forward_pre_hooks)
-            and (kept_float32(head) or ("forward" not in vars(head) and not autocast))
-        ):
-            return head(h_bd)
+        if not self._float32_head(autocast):
+            return self.head(h_bd)
         if not autocast:
             return self._float32_logits(h_bd)
         with torch.autocast(device_type, enabled=False):
             return self._float32_logits(h_bd.float())
+
+    def _float32_head(self, autocast: bool) -> bool:
+        """Whether :meth:`_logits` computes the head itself in float32 (else it calls the module)."""
+        head = self.head
+        return (
+            type(head) is torch.nn.Linear
+            and head.weight.dtype == torch.float32
+            and not (head._forward_hooks or head._forward_pre_hooks)
+            and (kept_float32(head) or ("forward" not in vars(head) and not autocast))
+        )
 
     def _float32_logits(self, h_bd: torch.Tensor) -> torch.Tensor:
         """The float32 head's logits: packed for oneDNN (PACK_NUMEL), or else written into one buffer
@@ -622,6 +637,20 @@ def _stacked(adapters: list[tuple], width: int, cast: torch.dtype | None) -> tup
     return ((A, B, scaling, 0, width),)
 
 
+def _autocast_casts(linear: Linear, dtype: torch.dtype) -> bool:
+    """Whether F.linear under autocast to ``dtype`` casts a tensor of ``linear`` (a plain pair or a
+    LoRA's base and adapters; a :class:`Packed` one takes its inputs cast by hand): one of another
+    floating dtype than ``dtype`` (float64 excepted, which autocast leaves alone)."""
+    if type(linear) is Packed:
+        return False
+    if type(linear) is Lora:
+        adapters = linear.adapters
+        return _autocast_casts(linear.base, dtype) or any(_autocast_casts(a[:2], dtype) for a in adapters)
+    return any(
+        x is not None and x.is_floating_point() and x.dtype not in (torch.float64, dtype) for x in linear
+    )
+
+
 def _cast(linear: Linear, dtype: torch.dtype | None) -> Linear:
     """``linear`` with each tensor that autocast would cast to ``dtype`` at every call made in
     ``dtype`` once: a floating tensor (float64 excepted) that is not a trainable leaf. Trainable
@@ -732,6 +761,7 @@ class HFDecoder:
 
     name = "hf"
     keep_finished = 0.0  # HF's cache copies itself on every step anyway: drop finished rows at once
+    casts_weights = True  # under autocast, the model's linears leave their weights to autocast
 
     def __init__(self, model) -> None:
         self.model = model

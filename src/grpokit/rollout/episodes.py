@@ -185,11 +185,11 @@ def sample_episodes(
         tokenizer, rows, make_env, G, params, max_turns, max_episode_tokens, fmt
     )
     eos, pad = tokenizer.eos_token_id, pad_token_id(tokenizer)
+    capacity = prompt_ids.shape[1] + max_episode_tokens  # positions; padding may take more slots
+    decoder = decoder_for(model, params.decode, capacity, params.reorder_weights, params.share_prompts)
     # nothing made inside leaves it but Python lists (the environments' own steps run outside it)
-    with sampling_mode(model):
+    with sampling_mode(model, decoder):
         u_KB = uniforms(max_episode_tokens, total, row_offset, B, params.temperature, generator, device)
-        capacity = prompt_ids.shape[1] + max_episode_tokens  # positions; padding may take more slots
-        decoder = decoder_for(model, params.decode, capacity, params.reorder_weights, params.share_prompts)
         logits_bV, state = decoder.prefill(prompt_ids.to(device), prompt_mask.to(device), G, capacity)
 
         active = list(range(B))  # rows still running, in the cache's batch order

@@ -213,11 +213,11 @@ def sample(
     logp_BT = torch.zeros((B, params.max_new_tokens), dtype=torch.float32)
     mask_BT = torch.zeros((B, params.max_new_tokens), dtype=torch.bool)
     truncated_B = torch.zeros(B, dtype=torch.bool)
+    capacity = prompt_ids.shape[1] + params.max_new_tokens
+    decoder = decoder_for(model, params.decode, capacity, params.reorder_weights, params.share_prompts)
     # the outputs above are ordinary tensors, written in place inside (see sampling_mode)
-    with sampling_mode(model):
+    with sampling_mode(model, decoder):
         u_TB = uniforms(params.max_new_tokens, total, row_offset, B, params.temperature, generator, device)
-        capacity = prompt_ids.shape[1] + params.max_new_tokens
-        decoder = decoder_for(model, params.decode, capacity, params.reorder_weights, params.share_prompts)
         logits_bV, state = decoder.prefill(
             prompt_ids.to(device), prompt_mask.to(device), group_size, capacity
         )
@@ -365,19 +365,22 @@ def _first_above(cdf_bK: torch.Tensor, target_b: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def sampling_mode(model):
+def sampling_mode(model, decoder=None):
     """``torch.inference_mode()`` for a sampling loop: no autograd bookkeeping on the hundreds of
-    small tensors a decode step makes (a fifth of a call at the shipped model). Tensors made inside
-    must not leave it; on the way out (error or not), the buffers a forward registered inside are
-    replaced by ordinary copies: HF's dynamic rope registers a new ``inv_freq`` when the sequence
-    outgrows it, and an inference tensor left on the model could not be updated in place (DDP's
-    buffer broadcast) or saved for backward.
+    small tensors a decode step makes (a fifth of a call at the shipped model, 6% of a bfloat16
+    SmolLM2 step). Tensors made inside must not leave it; on the way out (error or not), the buffers
+    a forward registered inside are replaced by ordinary copies: HF's dynamic rope registers a new
+    ``inv_freq`` when the sequence outgrows it, and an inference tensor left on the model could not
+    be updated in place (DDP's buffer broadcast) or saved for backward.
 
-    Under autocast it is ``torch.no_grad()`` instead: autocast keeps its casts of the weights for
-    the rest of its context only outside inference mode, and inside it every linear casts its
-    weight again at every step (two fifths of a bfloat16 SmolLM2 call; docs/benchmarks.md)."""
+    Under autocast it is ``torch.no_grad()`` instead, unless ``decoder`` (made before, outside it)
+    casts no weight itself (``casts_weights`` False: the own path's packed or once-cast copies and
+    a float32 head): autocast keeps its casts of the weights for the rest of its context only
+    outside inference mode, and inside it every linear would cast its weight again at every step
+    (two fifths of a bfloat16 SmolLM2 call; docs/benchmarks.md)."""
     device_type = next(model.parameters()).device.type
-    grad_off = torch.no_grad() if torch.is_autocast_enabled(device_type) else torch.inference_mode()
+    casts = decoder is None or decoder.casts_weights
+    grad_off = torch.no_grad() if torch.is_autocast_enabled(device_type) and casts else torch.inference_mode()
     try:
         with grad_off:
             yield
