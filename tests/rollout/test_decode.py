@@ -397,22 +397,27 @@ def test_under_autocast_a_sampler_call_casts_each_weight_once(case, monkeypatch)
 
 
 @pytest.mark.parametrize(
-    "case", ["own-frozen", pytest.param("own-packed", marks=needs_onednn), "own", "own-hooked-head", "hf"]
-)
+    "case",
+    [
+        "own-frozen", pytest.param("own-packed", marks=needs_onednn), "own-lora",
+        pytest.param("own-lora-packed", marks=needs_onednn), "own", "own-hooked-head", "hf",
+    ],
+)  # fmt: skip
 def test_under_autocast_steps_run_in_inference_mode_when_no_weight_is_left_to_autocast(case, monkeypatch):
     """Autocast keeps its casts of the weights only outside inference mode. A decoder that casts
-    no weight itself (every projection its own copy, packed or cast once, and a float32 head) runs
-    its steps in inference mode; one that leaves trainable weights to autocast (the own path's
-    unfused small projections, a head called as a module, the HF path) keeps no_grad. Inference
-    mode changes no value, leaves ordinary tensors in the rollout, and a training pass in the same
-    autocast context afterwards can cast and save the weights."""
+    no weight itself (every projection its own copy, packed or cast once, LoRA's adapters cast once
+    too, and a float32 head) runs its steps in inference mode; one that leaves trainable weights to
+    autocast (the own path's unfused small projections, a head called as a module, the HF path)
+    keeps no_grad. Inference mode changes no value, leaves ordinary tensors in the rollout, and a
+    training pass in the same autocast context afterwards can cast and save the weights."""
     import grpokit.rollout.decode as decode_module
 
-    model, tok = build("qwen2")
+    model, tok = lora_model("qwen2") if "lora" in case else build("qwen2")
     keep_head_float32(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     if case == "own-frozen":  # every weight cast once per call (frozen weights are not autocast's)
         model.requires_grad_(False)
-    if case == "own-packed":  # packed copies in bfloat16, the policy's weights still trainable
+    if case in ("own-packed", "own-lora-packed"):  # packed copies in bfloat16, the rest trainable
         monkeypatch.setattr(decode_module, "PACK_NUMEL", 0)
     if case == "own-hooked-head":
         model.requires_grad_(False)
@@ -428,16 +433,17 @@ def test_under_autocast_steps_run_in_inference_mode_when_no_weight_is_left_to_au
     params = SamplingParams(max_new_tokens=6, temperature=1.0, decode="hf" if case == "hf" else "auto")
     with mixed_precision("cpu", "bfloat16"):
         r = sample(model, tok, PROMPTS, 2, params, torch.Generator().manual_seed(0))
-        inference = case in ("own-frozen", "own-packed")
+        inference = case in ("own-frozen", "own-packed", "own-lora", "own-lora-packed")
         assert modes and set(modes) == {inference}
         fields = [r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.truncated]
         assert not any(t.is_inference() for t in [*fields, r.sampler_logp, r.policy_version])
-        model.requires_grad_(True)
+        for p in trainable:  # the policy's trainable weights (LoRA: the adapters)
+            p.requires_grad_(True)
         ids = torch.cat([r.prompt_ids.repeat_interleave(2, dim=0), r.completion_ids], dim=1)
         logits = model(input_ids=ids).logits[:, -r.completion_ids.shape[1] - 1 : -1]
         new_logp = logits.float().log_softmax(-1).gather(-1, r.completion_ids[..., None]).squeeze(-1)
         (torch.exp(new_logp - r.sampler_logp) * r.completion_mask).sum().backward()
-        model.requires_grad_(case not in ("own-frozen", "own-hooked-head"))
+        assert all(p.grad is not None for p in trainable)
         model.zero_grad(set_to_none=True)
         if inference:  # the same values under no_grad: a decoder made to say it casts
             monkeypatch.setattr(decode_module, "_autocast_casts", lambda linear, dtype: True)

@@ -603,17 +603,22 @@ def _maybe_fused(
     adapters, start = [], 0
     for x, b in zip(linears, bases, strict=True):
         if x is not b:
-            adapters.append(_adapter(x, start))
+            adapters.append(_adapter(x, start, cast))
         start += len(b.weight)
     return [Lora(fused, _stacked(adapters, start, cast))]
 
 
-def _adapter(layer: torch.nn.Module, start: int) -> tuple:
+def _adapter(layer: torch.nn.Module, start: int, cast: torch.dtype | None = None) -> tuple:
     """peft LoRA ``layer``'s active adapter as ``(A, B, scaling, start, stop)``: it adds to the output
-    columns ``[start, start + out_features)`` (of a fused base; 0 alone)."""
+    columns ``[start, start + out_features)`` (of a fused base; 0 alone). Under autocast to ``cast``,
+    A and B are copies in it, made once per call (small: the rank's rows and columns), the values
+    autocast would give F.linear: so no weight is left to autocast (``sampler.sampling_mode`` can then
+    run the call in inference mode, where autocast would cast them again at every step)."""
     (name,) = layer.active_adapters
-    B = layer.lora_B[name].weight
-    return (layer.lora_A[name].weight, B, layer.scaling[name], start, start + len(B))
+    A, B = layer.lora_A[name].weight, layer.lora_B[name].weight
+    if cast is not None:
+        A, B = (x if x.dtype in (torch.float64, cast) else x.detach().to(cast) for x in (A, B))
+    return (A, B, layer.scaling[name], start, start + len(B))
 
 
 def _stacked(adapters: list[tuple], width: int, cast: torch.dtype | None) -> tuple:
@@ -673,11 +678,11 @@ def _projection(layer: torch.nn.Module, cast: torch.dtype | None, pack: torch.dt
     """A plain ``Linear`` as (weight, bias), or :class:`Packed` as :func:`_pack` says; peft's LoRA
     ``Linear`` (:func:`_lora_reason`) as :class:`Lora`: its base layer as a plain one, and its
     active adapter. The base is cast as :func:`_cast` says (a frozen base under LoRA: once per
-    call); A and B are trainable, so autocast casts them once per context itself."""
+    call), A and B as :func:`_adapter` does (once per call too)."""
     if type(layer) is torch.nn.Linear:
         return _pack(_cast((layer.weight, layer.bias), cast), pack)
     base = _pack(_cast((layer.base_layer.weight, layer.base_layer.bias), cast), pack)  # as a plain layer
-    return Lora(base, (_adapter(layer, 0),))
+    return Lora(base, (_adapter(layer, 0, cast),))
 
 
 def _pack_dtype(weight: torch.Tensor, cast: torch.dtype | None) -> torch.dtype | None:
