@@ -605,7 +605,7 @@ def _maybe_fused(
         if x is not b:
             adapters.append(_adapter(x, start, cast))
         start += len(b.weight)
-    return [Lora(fused, _stacked(adapters, start, cast))]
+    return [Lora(fused, _stacked(adapters, start))]
 
 
 def _adapter(layer: torch.nn.Module, start: int, cast: torch.dtype | None = None) -> tuple:
@@ -617,16 +617,16 @@ def _adapter(layer: torch.nn.Module, start: int, cast: torch.dtype | None = None
     (name,) = layer.active_adapters
     A, B = layer.lora_A[name].weight, layer.lora_B[name].weight
     if cast is not None:
-        A, B = (x if x.dtype in (torch.float64, cast) else x.detach().to(cast) for x in (A, B))
+        A, B = (x.detach().to(cast) if _autocast_would_cast(x, cast) else x for x in (A, B))
     return (A, B, layer.scaling[name], start, start + len(B))
 
 
-def _stacked(adapters: list[tuple], width: int, cast: torch.dtype | None) -> tuple:
+def _stacked(adapters: list[tuple], width: int) -> tuple:
     """A fused projection's adapters as one: A's stacked and B's block-diagonal (zeros elsewhere),
     so two products per step instead of two per adapter, with the same terms (the other adapters'
     are exact zeros; the sums may round in another order). Left as they are when there is only one
     or their scalings or dtypes differ (peft scales each adapter's output). The stacked A and B are
-    copies, made (and cast as :func:`_cast` says) once per call."""
+    copies, made once per call (in the adapters' dtype: :func:`_adapter` has cast them already)."""
     A0, B0, scaling = adapters[0][:3]
     if len(adapters) == 1 or any(
         (a.dtype, b.dtype, s) != (A0.dtype, B0.dtype, scaling) for a, b, s, _, _ in adapters
@@ -638,7 +638,6 @@ def _stacked(adapters: list[tuple], width: int, cast: torch.dtype | None) -> tup
     for a, b, _, start, stop in adapters:
         B[start:stop, rank : rank + len(a)] = b.detach()
         rank += len(a)
-    A, B = _cast((A, B), cast)
     return ((A, B, scaling, 0, width),)
 
 
@@ -651,9 +650,13 @@ def _autocast_casts(linear: Linear, dtype: torch.dtype) -> bool:
     if type(linear) is Lora:
         adapters = linear.adapters
         return _autocast_casts(linear.base, dtype) or any(_autocast_casts(a[:2], dtype) for a in adapters)
-    return any(
-        x is not None and x.is_floating_point() and x.dtype not in (torch.float64, dtype) for x in linear
-    )
+    return any(_autocast_would_cast(x, dtype) for x in linear)
+
+
+def _autocast_would_cast(x: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether autocast to ``dtype`` casts ``x`` as an F.linear argument: a floating tensor of
+    another dtype, float64 excepted (autocast leaves it alone)."""
+    return x is not None and x.is_floating_point() and x.dtype not in (torch.float64, dtype)
 
 
 def _cast(linear: Linear, dtype: torch.dtype | None) -> Linear:
@@ -664,12 +667,7 @@ def _cast(linear: Linear, dtype: torch.dtype | None) -> Linear:
     if dtype is None:
         return linear
     return tuple(
-        x
-        if x is None
-        or not x.is_floating_point()
-        or x.dtype == torch.float64
-        or (x.is_leaf and x.requires_grad)
-        else x.to(dtype)
+        x.to(dtype) if _autocast_would_cast(x, dtype) and not (x.is_leaf and x.requires_grad) else x
         for x in linear
     )
 
