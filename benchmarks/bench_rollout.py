@@ -21,8 +21,9 @@ each prompt's keys kept once per row, as before the prompts were shared (`decode
 longer prompts.
 
 `--draw` times one token draw for 64 rows at Qwen2's vocabulary (151,936): the sampler's
-two-level inverse-CDF draw, the full-width float64 scan it replaced, and `torch.multinomial`
-(what `generate` uses), 20 repetitions each, interleaved.
+two-level inverse-CDF draw (in the buffer a sampler call reuses for all its steps; at temperature 1
+and 0.7), the full-width float64 scan it replaced, and `torch.multinomial` (what `generate` uses),
+20 repetitions each, interleaved.
 
 `--episodes` times multi-turn episodes instead (`rollout.episodes.sample_episodes`): the calculator
 task's episodes on the shipped tiny-calculator model (16 problems x G = 8, up to 3 model turns of
@@ -190,27 +191,25 @@ def _full_width_draw(logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tenso
 
 
 def draw_cost(reps: int = 20) -> None:
-    from grpokit.rollout.sampler import _sample_next
+    from grpokit.rollout.sampler import _sample_next, draw_scratch
 
     torch.manual_seed(0)
     logits = torch.randn(64, 151936)
     u = torch.rand(64)
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_new_tokens=1)
-    times: dict[str, list[float]] = {
-        "two-level inverse-CDF (grpokit)": [],
-        "full-width inverse-CDF (grpokit before 2026-12-04)": [],
-        "torch.multinomial": [],
+    scratch = draw_scratch(logits)  # the sampler makes one per call, for all of its steps
+    at_one, at_07 = SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=1, temperature=0.7)
+    draws = {
+        "two-level inverse-CDF (grpokit), T=1": lambda: _sample_next(logits, at_one, u, scratch),
+        "two-level inverse-CDF (grpokit), T=0.7": lambda: _sample_next(logits, at_07, u, scratch),
+        "full-width inverse-CDF (grpokit before 2026-12-04), T=1": lambda: _full_width_draw(logits, u),
+        "torch.multinomial, T=1": lambda: torch.multinomial(torch.softmax(logits, -1), 1, generator=g),
     }
+    times: dict[str, list[float]] = {name: [] for name in draws}
     for _ in range(reps):
-        for name in times:
+        for name, draw in draws.items():
             t = time.perf_counter()
-            if name == "torch.multinomial":
-                torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
-            elif name.startswith("full-width"):
-                _full_width_draw(logits, u)
-            else:
-                _sample_next(logits, params, u)
+            draw()
             times[name].append(1000 * (time.perf_counter() - t))
     print("one token draw, 64 rows x 151,936 logits (ms):")
     for name, ts in times.items():

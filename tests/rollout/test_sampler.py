@@ -249,6 +249,74 @@ def test_inverse_cdf_draws_the_float64_reference_token(V):
     assert torch.equal(index[clear], ref_index[clear])
     exact = torch.log_softmax(z.double(), -1).gather(-1, index[:, None]).squeeze(-1)
     torch.testing.assert_close(logp.double(), exact, rtol=0, atol=2e-6)
+    work = z.clone()  # the draw written over its own input (out=z): the same tokens and log-probs
+    assert all(torch.equal(a, b) for a, b in zip(inverse_cdf(work, u, out=work), (index, logp), strict=True))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(1),
+        SamplingParams(1, temperature=0.7),
+        SamplingParams(1, temperature=0.7, top_k=50),
+        SamplingParams(1, top_p=0.9),
+    ],
+    ids=["T1", "T0.7", "T0.7-top_k", "top_p"],
+)
+def test_a_draw_in_the_scratch_buffer_leaves_the_logits_and_draws_the_same(params):
+    """``_sample_next`` with the call's scratch buffer (rows dropped: its first rows) gives the
+    tokens and log-probs it gives without one, bit for bit, leaves the logits as they were, and at
+    temperature 1 without filters writes its working tensor into the scratch, not a new one."""
+    from grpokit.rollout.sampler import _sample_next, draw_scratch
+
+    g = torch.Generator().manual_seed(7)
+    V = 3 * CDF_BLOCK + 7
+    logits = torch.randn(12, V, generator=g) * 3
+    u = torch.rand(12, generator=g).double()
+    scratch = draw_scratch(torch.empty(16, V))
+    assert scratch.shape == (16, V) and scratch.dtype == torch.float32
+    assert draw_scratch(torch.empty(16, CDF_BLOCK)) is None  # one level: no vocabulary-wide tensor
+    before = logits.clone()
+    got = _sample_next(logits, params, u, scratch)
+    assert torch.equal(logits, before)
+    want = _sample_next(logits, params, u)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    if params.temperature == 1.0 and params.top_p == 1.0:
+        e = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+        assert torch.equal(scratch[:12], e)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_sampler_draws_every_step_in_one_scratch_buffer(monkeypatch, temperature):
+    """Over a vocabulary of more than one CDF block, every step of a call draws in the same
+    buffer (no vocabulary-wide tensor per step), and the call samples what it samples without one."""
+    from transformers import LlamaForCausalLM
+
+    from grpokit.models.tiny import char_tokenizer, tiny_config
+    from grpokit.rollout import sampler
+
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    config = tiny_config(len(tok), hidden_size=16)
+    config.vocab_size = 3 * CDF_BLOCK + 7  # ids past the characters decode to nothing
+    model = LlamaForCausalLM(config).eval()
+    params = SamplingParams(max_new_tokens=6, temperature=temperature)
+    made, buffers = [], []
+    draw, make = sampler.inverse_cdf, sampler.draw_scratch
+
+    def spy(z, u, out=None):
+        buffers.append(None if out is None else out.data_ptr())
+        return draw(z, u, out)
+
+    monkeypatch.setattr(sampler, "inverse_cdf", spy)
+    monkeypatch.setattr(sampler, "draw_scratch", lambda logits: made.append(make(logits)) or made[-1])
+    got = sample(model, tok, ["12+34=", "7+8="], 4, params, torch.Generator().manual_seed(3))
+    assert len(made) == 1 and buffers == [made[0].data_ptr()] * 6, buffers
+    monkeypatch.setattr(sampler, "inverse_cdf", draw)
+    monkeypatch.setattr(sampler, "draw_scratch", lambda logits: None)
+    want = sample(model, tok, ["12+34=", "7+8="], 4, params, torch.Generator().manual_seed(3))
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    assert torch.equal(got.sampler_logp, want.sampler_logp)
 
 
 @pytest.mark.parametrize("V", [83, 3 * CDF_BLOCK + 7])

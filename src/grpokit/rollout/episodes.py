@@ -46,6 +46,7 @@ from grpokit.rollout.sampler import (
     SamplingParams,
     _hits_stop,
     _sample_next,
+    draw_scratch,
     encode_prompts,
     pad_token_id,
     sample,
@@ -191,11 +192,12 @@ def sample_episodes(
     with sampling_mode(model, decoder):
         u_KB = uniforms(max_episode_tokens, total, row_offset, B, params.temperature, generator, device)
         logits_bV, state = decoder.prefill(prompt_ids.to(device), prompt_mask.to(device), G, capacity)
+        scratch = draw_scratch(logits_bV)
 
         active = list(range(B))  # rows still running, in the cache's batch order
         while active:
             u_b = u_KB[[rec[b].num_model for b in active], active]
-            next_b, logp_b = _sample_next(logits_bV, params, u_b)
+            next_b, logp_b = _sample_next(logits_bV, params, u_b, scratch)
             tokens, logps = next_b.tolist(), logp_b.tolist()
             for b, token, logp in zip(active, tokens, logps, strict=True):
                 rec[b].add([token], True, [logp])

@@ -222,11 +222,12 @@ def sample(
             prompt_ids.to(device), prompt_mask.to(device), group_size, capacity
         )
         u_TB = u_TB.double()  # (the draw's precision, converted once)
+        scratch = draw_scratch(logits_bV)
         rows_b = torch.arange(B, device=device)  # the batch's rows, as indices into the B rows
         live_b = torch.ones(B, dtype=torch.bool, device=device)  # still decoding
         segment = _Segment(0)  # the steps since the batch last changed, written out when it changes
         for t in range(params.max_new_tokens):
-            next_b, logp_b = _sample_next(logits_bV, params, u_TB[t])
+            next_b, logp_b = _sample_next(logits_bV, params, u_TB[t], scratch)
             segment.add(next_b, logp_b, live_b)
             if eos is not None:
                 live_b = live_b & (next_b != eos)
@@ -285,16 +286,18 @@ class _Segment:
 
 
 def _sample_next(
-    logits_bV: torch.Tensor, params: SamplingParams, u_b: torch.Tensor
+    logits_bV: torch.Tensor, params: SamplingParams, u_b: torch.Tensor, scratch: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from softmax(logits / temperature), after top-k and top-p filtering, and its
-    log-prob under that (renormalised) distribution (:func:`inverse_cdf`)."""
+    log-prob under that (renormalised) distribution (:func:`inverse_cdf`). ``scratch``: a float32
+    buffer of at least the logits' rows (:func:`draw_scratch`) that every step reuses for its
+    vocabulary-wide working tensor (the logits themselves are left as they are)."""
     if params.temperature == 0:
         index_b = logits_bV.argmax(dim=-1)
         return index_b, torch.log_softmax(logits_bV.float(), dim=-1).gather(-1, index_b[:, None]).squeeze(-1)
     z_bV = logits_bV.float()
     if params.temperature != 1.0:  # (a full pass over the vocabulary, skipped when it changes nothing)
-        z_bV = z_bV / params.temperature
+        z_bV = torch.div(z_bV, params.temperature, out=None if scratch is None else scratch[: len(z_bV)])
     if 0 < params.top_k < z_bV.shape[-1]:
         kth_b1 = torch.topk(z_bV, params.top_k, dim=-1).values[:, -1:]
         z_bV = z_bV.masked_fill(z_bV < kth_b1, float("-inf"))
@@ -304,29 +307,44 @@ def _sample_next(
         # drop a token when the mass before it already reaches top_p (the first token always stays)
         drop_bV = (p_bV.cumsum(dim=-1) - p_bV) >= params.top_p
         z_bV = z_bV.scatter(-1, order_bV, sorted_bV.masked_fill(drop_bV, float("-inf")))
-    return inverse_cdf(z_bV, u_b)
+    if z_bV is not logits_bV:  # a tensor made here: the draw may overwrite it
+        return inverse_cdf(z_bV, u_b, out=z_bV)
+    return inverse_cdf(z_bV, u_b, out=None if scratch is None else scratch[: len(z_bV)])
+
+
+def draw_scratch(logits_bV: torch.Tensor) -> torch.Tensor | None:
+    """The float32 buffer :func:`_sample_next` draws in for every step of a call whose first logits
+    are ``logits_bV``; None where the draw makes no vocabulary-wide tensor (at most ``CDF_BLOCK``
+    entries). A fresh tensor per step would be memory the allocator hands back to the system when
+    it is freed and page-faults in again at the next step (39 MB at 64 rows x 151,936)."""
+    if logits_bV.shape[-1] <= CDF_BLOCK:
+        return None
+    return torch.empty(logits_bV.shape, dtype=torch.float32, device=logits_bV.device)
 
 
 CDF_BLOCK = 1024  # vocabulary entries per block of the two-level inverse CDF
 
 
-def inverse_cdf(z_bV: torch.Tensor, u_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_cdf(
+    z_bV: torch.Tensor, u_b: torch.Tensor, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The token of each row of softmax(``z``) at uniform ``u`` (the first index whose cumulative
     probability exceeds ``u * total``) and its log-prob.
 
-    Two levels, so no full-width cumulative sum is built: the probabilities are summed per block of
-    ``CDF_BLOCK`` entries, the block is found on the (short, float64) cumulative sum of those sums,
-    then the token inside it on that one block's float64 cumulative sum. A zero-probability token is
-    never drawn (the index is kept within the chosen block's first and last tokens with mass); the
-    log-prob is ``z_i - max z + log p_max - log total``, finite for every drawn token and without a
-    second pass over the vocabulary. At a 152k vocabulary and 64 rows this takes about a fifth of a
-    full softmax + float64 cumsum + log_softmax (``benchmarks/bench_rollout.py --draw``). A
-    vocabulary of at most one block is one level: its float64 cumulative sum is the whole CDF.
+    Two levels, so no full-width cumulative sum is built: the unnormalised probabilities
+    ``e = exp(z - max z)`` (1 at the maximum) are summed per block of ``CDF_BLOCK`` entries, the
+    block is found on the (short, float64) cumulative sum of those sums, then the token inside it
+    on that one block's float64 cumulative sum. A zero-probability token is never drawn (the index
+    is kept within the chosen block's first and last tokens with mass); the log-prob is
+    ``log e_i - log total``, finite for every drawn token (it has mass). ``out``: where ``e`` is
+    written (z's shape and dtype; ``z`` itself when the caller no longer needs it), else a new
+    tensor. At a 152k vocabulary and 64 rows this takes about a sixth of a full softmax + float64
+    cumsum + log_softmax (``benchmarks/bench_rollout.py --draw``). A vocabulary of at most one
+    block is one level: its float64 cumulative sum is the whole CDF.
     """
-    p_bV = torch.softmax(z_bV, dim=-1)
-    b, V = p_bV.shape
+    b, V = z_bV.shape
     if V <= CDF_BLOCK:  # few operators per token: small models' decode steps are cheap
-        cdf_bV = p_bV.double().cumsum(dim=-1)
+        cdf_bV = torch.softmax(z_bV, dim=-1).double().cumsum(dim=-1)
         total_b = cdf_bV[:, -1]
         # The first index whose (sequential, non-decreasing) cumulative sum exceeds a target >= 0
         # is where the sum rose: a token with mass, without _first_above's clamps. Capped just
@@ -335,24 +353,24 @@ def inverse_cdf(z_bV: torch.Tensor, u_b: torch.Tensor) -> tuple[torch.Tensor, to
         target_b = torch.minimum(u_b.double() * total_b, below_b)
         index_b = torch.searchsorted(cdf_bV, target_b[:, None], right=True).squeeze(-1)
         return index_b, torch.log_softmax(z_bV, dim=-1).gather(-1, index_b[:, None]).squeeze(-1)
+    e_bV = torch.sub(z_bV, z_bV.amax(dim=-1, keepdim=True), out=out).exp_()
     full = V // CDF_BLOCK * CDF_BLOCK
-    sums = [p_bV[:, :full].reshape(b, -1, CDF_BLOCK).sum(dim=-1)] if full else []
+    sums = [e_bV[:, :full].reshape(b, -1, CDF_BLOCK).sum(dim=-1)]
     if full < V:
-        sums.append(p_bV[:, full:].sum(dim=-1, keepdim=True))
+        sums.append(e_bV[:, full:].sum(dim=-1, keepdim=True))
     mass_bN = torch.cat(sums, dim=1).double()
     cdf_bN = mass_bN.cumsum(dim=-1)
     total_b = cdf_bN[:, -1]
     target_b = u_b.double() * total_b
     block_b = _first_above(cdf_bN, target_b)
     before_b = (cdf_bN - mass_bN).gather(-1, block_b[:, None]).squeeze(-1)
-    cols_bK = block_b[:, None] * CDF_BLOCK + torch.arange(CDF_BLOCK, device=p_bV.device)
+    cols_bK = block_b[:, None] * CDF_BLOCK + torch.arange(CDF_BLOCK, device=e_bV.device)
     inner_bK = (
-        p_bV.gather(-1, cols_bK.clamp(max=V - 1)).masked_fill(cols_bK >= V, 0.0).double().cumsum(dim=-1)
+        e_bV.gather(-1, cols_bK.clamp(max=V - 1)).masked_fill(cols_bK >= V, 0.0).double().cumsum(dim=-1)
     )
     index_b = block_b * CDF_BLOCK + _first_above(inner_bK, target_b - before_b)
-    z_max_b, p_max_b = z_bV.amax(dim=-1), p_bV.amax(dim=-1)
-    logp_b = (z_bV.gather(-1, index_b[:, None]).squeeze(-1) - z_max_b).double()
-    return index_b, (logp_b + p_max_b.double().log() - total_b.log()).float()
+    e_b = e_bV.gather(-1, index_b[:, None]).squeeze(-1).double()
+    return index_b, (e_b.log() - total_b.log()).float()
 
 
 def _first_above(cdf_bK: torch.Tensor, target_b: torch.Tensor) -> torch.Tensor:
