@@ -340,7 +340,7 @@ def inverse_cdf(
     written (z's shape and dtype; ``z`` itself when the caller no longer needs it), else a new
     tensor. At a 152k vocabulary and 64 rows this takes about a sixth of a full softmax + float64
     cumsum + log_softmax (``benchmarks/bench_rollout.py --draw``). A vocabulary of at most one
-    block is one level: its float64 cumulative sum is the whole CDF.
+    block is one level: its float64 cumulative sum is the whole CDF, and ``out`` is not used.
     """
     b, V = z_bV.shape
     if V <= CDF_BLOCK:  # few operators per token: small models' decode steps are cheap
