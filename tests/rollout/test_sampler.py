@@ -351,6 +351,25 @@ def _byte_level_bpe():
     return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<pad>")
 
 
+def test_prompts_encode_as_each_does_alone_left_padded():
+    """Each prompt's ids are the ones it gets alone (a template's BOS included), right-aligned
+    after the pad id, the mask True exactly at them."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = _byte_level_bpe()
+    bos = tok.convert_tokens_to_ids("<|im_end|>")
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_end|> $A", special_tokens=[("<|im_end|>", bos)]
+    )
+    prompts = ["x = 3 + 4", "résumé naïve 東京 ok.", "a"]
+    ids, mask = encode_prompts(tok, prompts)
+    for i, p in enumerate(prompts):
+        alone = tok(p)["input_ids"]
+        assert alone[0] == bos and ids[i, mask[i]].tolist() == alone
+        assert mask[i].tolist() == [False] * (ids.shape[1] - len(alone)) + [True] * len(alone)
+        assert (ids[i, ~mask[i]] == tok.pad_token_id).all()
+
+
 def test_batch_decode_gives_transformers_texts():
     from grpokit.models.tiny import char_tokenizer
     from grpokit.rollout.sampler import _backend_decodes, batch_decode
