@@ -333,9 +333,8 @@ class OwnDecoder:
         for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             keys[i] = k.new_empty((b, self.K, capacity, self.D))
             values[i] = v.new_empty((b, self.K, capacity, self.D))
-            # each prompt's keys into its G rows, broadcast (no repeated copy made first)
-            keys[i][:, :, :L].unflatten(0, (P, group_size)).copy_(k[:, None])
-            values[i][:, :, :L].unflatten(0, (P, group_size)).copy_(v[:, None])
+            keys[i][:, :, :L] = k.repeat_interleave(group_size, dim=0)
+            values[i][:, :, :L] = v.repeat_interleave(group_size, dim=0)
         key_bias = keys[0].new_zeros((b, capacity))
         key_bias[:, :L].masked_fill_(~mask_PL.repeat_interleave(group_size, dim=0), float("-inf"))
         state = KVState(keys, values, key_bias, positions_b, L, padded)

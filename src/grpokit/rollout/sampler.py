@@ -253,7 +253,10 @@ def sample(
     lengths = mask_BT.sum(dim=1).tolist()  # a row's real tokens are a prefix (it never resumes)
     T = max(lengths)
     out_BT, mask_BT, logp_BT = out_BT[:, :T], mask_BT[:, :T], logp_BT[:, :T]
-    texts = batch_decode(tokenizer, [row[:n] for row, n in zip(out_BT.tolist(), lengths, strict=True)])
+    texts = [
+        tokenizer.decode(row[:n], skip_special_tokens=True)
+        for row, n in zip(out_BT.tolist(), lengths, strict=True)
+    ]
     version_B = torch.full((B,), policy_version, dtype=torch.long)
     return Rollout(
         prompt_ids, prompt_mask, out_BT, mask_BT, truncated_B, texts, group_size, logp_BT, version_B
