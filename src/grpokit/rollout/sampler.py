@@ -296,8 +296,9 @@ def _sample_next(
         index_b = logits_bV.argmax(dim=-1)
         return index_b, torch.log_softmax(logits_bV.float(), dim=-1).gather(-1, index_b[:, None]).squeeze(-1)
     z_bV = logits_bV.float()
+    buffer_bV = None if scratch is None else scratch[: len(z_bV)]
     if params.temperature != 1.0:  # (a full pass over the vocabulary, skipped when it changes nothing)
-        z_bV = torch.div(z_bV, params.temperature, out=None if scratch is None else scratch[: len(z_bV)])
+        z_bV = torch.div(z_bV, params.temperature, out=buffer_bV)
     if 0 < params.top_k < z_bV.shape[-1]:
         kth_b1 = torch.topk(z_bV, params.top_k, dim=-1).values[:, -1:]
         z_bV = z_bV.masked_fill(z_bV < kth_b1, float("-inf"))
@@ -309,7 +310,7 @@ def _sample_next(
         z_bV = z_bV.scatter(-1, order_bV, sorted_bV.masked_fill(drop_bV, float("-inf")))
     if z_bV is not logits_bV:  # a tensor made here: the draw may overwrite it
         return inverse_cdf(z_bV, u_b, out=z_bV)
-    return inverse_cdf(z_bV, u_b, out=None if scratch is None else scratch[: len(z_bV)])
+    return inverse_cdf(z_bV, u_b, out=buffer_bV)
 
 
 def draw_scratch(logits_bV: torch.Tensor) -> torch.Tensor | None:
