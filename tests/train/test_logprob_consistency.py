@@ -178,22 +178,28 @@ def test_rollout_correction_weights_reach_the_loss(tmp_path, tiny_dir, monkeypat
     assert "is_weight_mean" in metrics(tmp_path, "run")[0]
 
 
-def test_with_top_k_the_sampler_logprobs_are_pi_old(tmp_path, tiny_dir, monkeypatch):
+def recorded_sampler(monkeypatch) -> list:
+    """The training rollouts the sampler produces, in order (not the greedy evaluations, G = 1)."""
     import grpokit.rollout.episodes as episodes_module
 
     produced = []
 
     def recording(*args, **kwargs):
         rollout = sample(*args, **kwargs)
-        if rollout.group_size > 1:  # training, not the greedy evaluations (G = 1)
+        if rollout.group_size > 1:
             produced.append(rollout)
         return rollout
 
-    monkeypatch.setattr(episodes_module, "sample", recording)
+    monkeypatch.setattr(episodes_module, "sample", recording)  # what the trainer's rollout_rows calls
+    return produced
 
-    def spread(prompts, completions, **_):  # differs between completions of the same length
-        return [float(sum(map(ord, c)) % 5) for c in completions]
 
+def spread(prompts, completions, **_):  # differs between completions of the same length
+    return [float(sum(map(ord, c)) % 5) for c in completions]
+
+
+def test_with_top_k_the_sampler_logprobs_are_pi_old(tmp_path, tiny_dir, monkeypatch):
+    produced = recorded_sampler(monkeypatch)
     cfg = config(tmp_path, tiny_dir, "run", **{"rollout.top_k": 3, "train.max_steps": 2})
     GRPOTrainer(cfg, rewards=[spread]).train()
     trained = [r for r in metrics(tmp_path, "run") if not r["optimizer_step_skipped"]]
@@ -205,6 +211,29 @@ def test_with_top_k_the_sampler_logprobs_are_pi_old(tmp_path, tiny_dir, monkeypa
     # the renormalised pi_old is above the full softmax's: on-policy ratios sit below 1, and the
     # mismatch metric (the full recomputation vs the sampler) shows the truncation
     assert trained[0]["ratio_mean"] < 1.0 and trained[0]["logprob_mismatch"] > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["token_truncated", "sequence_masked"])
+def test_with_top_k_a_correction_takes_the_trainers_pi_old(tmp_path, tiny_dir, monkeypatch, mode):
+    # the correction's weight pi_old / pi_sampler already carries the truncation: the ratio is then
+    # pi_theta / pi_old (decoupled PPO), not pi_theta / pi_sampler, which would count it twice
+    produced = recorded_sampler(monkeypatch)
+    sets = {"rollout.top_k": 3, "algo.rollout_correction": mode, "algo.rollout_correction_cap": 1e6}
+    GRPOTrainer(config(tmp_path, tiny_dir, "run", **sets), rewards=[spread]).train()
+    row = metrics(tmp_path, "run")[0]
+    assert not row["optimizer_step_skipped"]
+    dump = torch.load(tmp_path / "run" / "tensors" / "step-000001.pt", weights_only=False)
+    mask, T = dump["mask"], dump["mask"].shape[1]
+    sampler_logp = produced[0].sampler_logp[dump["rows"], :T]
+    old = dump["old_logp"].double()
+    assert float((sampler_logp.double() - old)[mask].min()) > -1e-6  # renormalised >= full softmax
+    assert float((sampler_logp.double() - old)[mask].max()) > 1e-3  # and the truncation shows
+    want = ref.correction_weights(
+        old.tolist(), sampler_logp.double().tolist(), mask.int().tolist(), mode, 1e6
+    )
+    assert torch.allclose(dump["is_weights"].double(), torch.tensor(want, dtype=torch.float64), atol=1e-5)
+    # one optimizer step on freshly sampled rows: pi_theta = pi_old, every ratio is 1
+    assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and row["is_weight_mean"] < 1.0
 
 
 def vllm_trainer(monkeypatch, cfg, engine_model=None, **fake) -> GRPOTrainer:

@@ -107,18 +107,20 @@ class Learner:
         return kl_shaped_rewards(total_B, old_logp, ref_logp, batch.completion_mask, a.beta, a.kl)
 
     def off_policy(self, rollout: Rollout, batch: TrainBatch, old_logp):
-        """The ratio's pi_old and the rollout-correction weights. With top-k / top-p the tokens came
-        from the truncated, renormalised distribution, so the sampler's own log-probs are pi_old;
-        ``algo.rollout_correction`` weights each token by the trainer's pi_old over the sampler's."""
+        """The ratio's pi_old and the rollout-correction weights. ``algo.rollout_correction`` weights
+        each token by the trainer's pi_old over the sampler's, and the ratio is against the trainer's
+        pi_old (decoupled PPO: the weight carries the whole sampler-trainer gap, top-k / top-p's
+        truncation included, so the ratio must not carry it again). Without a correction, with top-k
+        / top-p, the tokens came from the truncated, renormalised distribution, and the sampler's own
+        log-probs are pi_old."""
         a, r, sampler = self.cfg.algo, self.cfg.rollout, rollout.sampler_logp
-        truncated = r.top_k > 0 or r.top_p < 1.0
-        behaviour = sampler if truncated and sampler is not None else old_logp
-        weights = None
         if a.rollout_correction is not None:
             weights = correction_weights(
                 old_logp, sampler, batch.completion_mask, a.rollout_correction, a.rollout_correction_cap
             )
-        return behaviour, weights
+            return old_logp, weights
+        truncated = r.top_k > 0 or r.top_p < 1.0
+        return (sampler if truncated and sampler is not None else old_logp), None
 
     def mismatch(self, rollout: Rollout, batch: TrainBatch, old_logp, stats: UpdateStats, weights) -> dict:
         """``logprob_mismatch`` (mean |log pi_old - log pi_sampler|) and ``logprob_ratio_outside``
