@@ -145,8 +145,12 @@ class RolloutConfig:
     temperature: float = _f(
         1.0, "Sampling temperature (> 0); log-probs are computed at the same temperature."
     )
-    top_p: float = _f(1.0, "Nucleus sampling: keep the smallest token set with this probability mass (0, 1].")
-    top_k: int = _f(0, "Keep only the k most likely tokens; 0 disables.")
+    top_p: float = _f(
+        1.0,
+        "Nucleus sampling, after top_k: keep the most likely tokens while the mass before each is below "
+        "top_p (the smallest set with this mass; a token tied with the last kept one stays too), in (0, 1].",
+    )
+    top_k: int = _f(0, "Keep only the k most likely tokens (and any tied with the k-th); 0 disables.")
     stop: list[str] = _f([], "Stop strings: a completion ends after the token that completes one.")
     vllm_gpu_memory_utilization: float = _f(
         0.3, "engine vllm: share of the GPU's memory vLLM may take (weights + KV cache), in (0, 1)."

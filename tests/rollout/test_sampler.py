@@ -253,6 +253,87 @@ def test_inverse_cdf_draws_the_float64_reference_token(V):
     assert all(torch.equal(a, b) for a, b in zip(inverse_cdf(work, u, out=work), (index, logp), strict=True))
 
 
+def reference_truncation(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Float64, row by row, from the definitions: top-k keeps every logit at least the k-th largest;
+    top-p then walks the (top-k) distribution's tokens from the most likely, keeping each while
+    the mass before it is below top_p; a token whose logit ties the smallest kept one stays too.
+    Returns z with -inf outside the kept tokens."""
+    out = torch.full_like(z, float("-inf"), dtype=torch.float64)
+    for r, row in enumerate(z.double().tolist()):
+        finite = sorted((v for v in row if v != float("-inf")), reverse=True)
+        t = finite[top_k - 1] if 0 < top_k < len(row) else -math.inf
+        if top_p < 1.0:
+            kept = [v for v in finite if v >= t]
+            total = sum(math.exp(v - kept[0]) for v in kept)
+            before = 0.0
+            for v in kept:
+                if before >= top_p:
+                    break
+                t, before = v, before + math.exp(v - kept[0]) / total
+        out[r] = torch.tensor([v if v >= t else float("-inf") for v in row], dtype=torch.float64)
+    return out
+
+
+def truncation_logits(V: int) -> torch.Tensor:
+    """Rows whose kept tokens fit the first candidates (peaked), the second (medium), or neither
+    (flat), a plateau of 300 tied logits, ties at the top, and half-masked rows."""
+    g = torch.Generator().manual_seed(11)
+    z = torch.randn(16, V, generator=g, dtype=torch.float64)
+    z[:4] *= 8
+    z[4:8] *= 2.5
+    z[8:12] *= 0.2
+    z[12] = z[12] * 0.1 - 8
+    z[12, 0], z[12, 100:400] = 3.0, 1.0
+    z[13] -= 3
+    z[13, [7, 9, 11]] = 5.0
+    z[14:] = (z[14:] * 3).masked_fill(torch.rand(2, V, generator=g) < 0.5, float("-inf"))
+    return z.float()
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "widths"),
+    [  # the widths drawn over: candidates, and V where a row sorts the whole vocabulary
+        (5, 1.0, {6, "V"}),
+        (200, 1.0, {201, "V"}),
+        (0, 0.9, {64, 1024, "V"}),
+        (0, 0.5, {64, 1024, "V"}),
+        (50, 0.8, {51, "V"}),
+        (2000, 0.95, {2001}),
+    ],
+)
+def test_top_k_top_p_draw_the_float64_reference_token(monkeypatch, top_k, top_p, widths):
+    """Top-k / top-p keep the tokens the definitions keep (ties included) and draw, for each
+    uniform, the token a float64 inverse CDF over them in vocabulary order draws, with its
+    renormalised log-prob: rows that draw among their largest logits and rows that sort the whole
+    vocabulary (a tie at the k-th, a flat distribution) alike."""
+    from grpokit.rollout import sampler
+
+    V = 5 * CDF_BLOCK + 3
+    z = truncation_logits(V)
+    u = torch.rand(16, generator=torch.Generator().manual_seed(3)).double()
+    drawn_widths, draw = [], sampler.inverse_cdf
+
+    def recording(z_bV, u_b, out=None):
+        drawn_widths.append(z_bV.shape[-1])
+        return draw(z_bV, u_b, out=out)
+
+    monkeypatch.setattr(sampler, "inverse_cdf", recording)
+    before = z.clone()
+    index, logp = sampler._sample_next(z, SamplingParams(1, top_k=top_k, top_p=top_p), u)
+    assert torch.equal(z, before)
+    kept = reference_truncation(z, top_k, top_p)
+    assert set(drawn_widths) == {V if w == "V" else w for w in widths}
+    ref_index, margin = reference_inverse_cdf(kept, u)
+    assert torch.isfinite(kept.gather(-1, index[:, None])).all()  # only kept tokens are drawn
+    clear = margin > 1e-6
+    assert int(clear.sum()) >= 15
+    assert torch.equal(index[clear], ref_index[clear])
+    exact = torch.log_softmax(kept, -1).gather(-1, index[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp.double(), exact, rtol=0, atol=2e-6)
+    if top_k == 5:  # the plateau's tie at the 5th logit keeps all 300 of it
+        assert int(torch.isfinite(kept[12]).sum()) == 301
+
+
 @pytest.mark.parametrize(
     "params",
     [

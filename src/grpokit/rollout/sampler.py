@@ -299,18 +299,77 @@ def _sample_next(
     buffer_bV = None if scratch is None else scratch[: len(z_bV)]
     if params.temperature != 1.0:  # (a full pass over the vocabulary, skipped when it changes nothing)
         z_bV = torch.div(z_bV, params.temperature, out=buffer_bV)
-    if 0 < params.top_k < z_bV.shape[-1]:
-        kth_b1 = torch.topk(z_bV, params.top_k, dim=-1).values[:, -1:]
-        z_bV = z_bV.masked_fill(z_bV < kth_b1, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_bV, order_bV = torch.sort(z_bV, dim=-1, descending=True)
-        p_bV = torch.softmax(sorted_bV, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the first token always stays)
-        drop_bV = (p_bV.cumsum(dim=-1) - p_bV) >= params.top_p
-        z_bV = z_bV.scatter(-1, order_bV, sorted_bV.masked_fill(drop_bV, float("-inf")))
+    top_k = params.top_k if 0 < params.top_k < z_bV.shape[-1] else 0
+    if top_k or params.top_p < 1.0:
+        return _truncated_draw(z_bV, top_k, params.top_p, u_b)
     if z_bV is not logits_bV:  # a tensor made here: the draw may overwrite it
         return inverse_cdf(z_bV, u_b, out=z_bV)
     return inverse_cdf(z_bV, u_b, out=buffer_bV)
+
+
+# the largest logits per row searched, in turn, for a top-p cut before a row's whole vocabulary is
+# sorted (a sort of 32 x 49,152 took 43 ms here, topk of 64 / 1024 of them 1.2 / 5.2 ms)
+TOP_P_CANDIDATES = (64, 1024)
+
+
+def _truncated_draw(
+    z_bV: torch.Tensor, top_k: int, top_p: float, u_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`inverse_cdf` over softmax(``z``) restricted to the tokens top-k (``top_k`` > 0) and then
+    top-p (``top_p`` < 1, over the top-k distribution) keep: a token stays when its logit is at
+    least the smallest kept one (:func:`_threshold`, so ties with it stay too). Rows whose kept
+    tokens are all among their few largest logits (``topk`` of ``top_k + 1``, or of
+    :data:`TOP_P_CANDIDATES`) draw from those alone, in vocabulary order; the other rows sort their
+    whole vocabulary. The same draw as over the masked vocabulary, up to the sums' rounding. ``z``
+    is left as it is."""
+    b, V = z_bV.shape
+    index_b = torch.empty(b, dtype=torch.long, device=z_bV.device)
+    logp_b = torch.empty(b, dtype=torch.float32, device=z_bV.device)
+    # top-p over the whole vocabulary: its normaliser, one pass (with top-k, the candidates' own)
+    lse_b1 = torch.logsumexp(z_bV, dim=-1, keepdim=True) if top_p < 1.0 and not top_k else None
+    rows_r = torch.arange(b, device=z_bV.device)  # the rows not drawn yet
+    for K in (top_k + 1,) if top_k else TOP_P_CANDIDATES:  # k + 1: a tie at the k-th shows
+        if K >= V:
+            break
+        z_rV = z_bV if len(rows_r) == b else z_bV[rows_r]
+        vals_rK, idx_rK = torch.topk(z_rV, K, dim=-1)  # sorted, largest first
+        t_r1 = _threshold(vals_rK, top_k, top_p, None if lse_b1 is None else lse_b1[rows_r])
+        fits_r = vals_rK[:, -1] < t_r1[:, 0]  # nothing past the candidates is kept
+        if bool(fits_r.any()):
+            sel = rows_r[fits_r]
+            idx_sK, order_sK = torch.sort(idx_rK[fits_r], dim=-1)  # vocabulary order, as the full draw
+            zc_sK = vals_rK[fits_r].gather(-1, order_sK)
+            zc_sK = zc_sK.masked_fill(zc_sK < t_r1[fits_r], float("-inf"))
+            j_s, logp_b[sel] = inverse_cdf(zc_sK, u_b[sel])
+            index_b[sel] = idx_sK.gather(-1, j_s[:, None]).squeeze(-1)
+        rows_r = rows_r[~fits_r]
+        if len(rows_r) == 0:
+            return index_b, logp_b
+    z_rV = z_bV[rows_r]  # a copy: masked in place
+    sorted_rV = torch.sort(z_rV, dim=-1, descending=True).values
+    t_r1 = _threshold(sorted_rV, top_k, top_p, None if lse_b1 is None else lse_b1[rows_r])
+    z_rV.masked_fill_(z_rV < t_r1, float("-inf"))
+    index_b[rows_r], logp_b[rows_r] = inverse_cdf(z_rV, u_b[rows_r], out=z_rV)
+    return index_b, logp_b
+
+
+def _threshold(vals_rK: torch.Tensor, top_k: int, top_p: float, lse_r1: torch.Tensor | None) -> torch.Tensor:
+    """[r, 1]: each row's smallest kept logit, from its K largest logits ``vals`` (sorted, largest
+    first, K > ``top_k``). Top-k keeps the logits at least the k-th largest. Top-p then keeps
+    the largest tokens while the mass before each (under the top-k distribution, or under the
+    whole vocabulary's softmax, whose log-normaliser ``lse`` is, without top-k) is below ``top_p``,
+    the first always. Where the mass before the K-th is still below ``top_p``, that is the K-th
+    (the cut lies further: the caller looks wider)."""
+    t_r1 = vals_rK[:, top_k - 1 : top_k] if top_k else None
+    if top_p < 1.0:
+        if t_r1 is not None:  # the top-k distribution, ties with the k-th included
+            vals_rK = vals_rK.masked_fill(vals_rK < t_r1, float("-inf"))
+            lse_r1 = torch.logsumexp(vals_rK, dim=-1, keepdim=True)
+        p_rK = torch.exp((vals_rK - lse_r1).double())
+        kept_r1 = ((p_rK.cumsum(dim=-1) - p_rK) < top_p).sum(dim=-1, keepdim=True)  # >= 1
+        cut_r1 = vals_rK.gather(-1, kept_r1 - 1)
+        t_r1 = cut_r1 if t_r1 is None else torch.maximum(t_r1, cut_r1)
+    return t_r1
 
 
 def draw_scratch(logits_bV: torch.Tensor) -> torch.Tensor | None:
