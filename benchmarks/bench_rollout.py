@@ -25,6 +25,12 @@ two-level inverse-CDF draw (in the buffer a sampler call reuses for all its step
 and 0.7), the full-width float64 scan it replaced, and `torch.multinomial` (what `generate` uses),
 20 repetitions each, interleaved.
 
+`--truncation` runs SmolLM2 at the recipe's shapes under bfloat16 autocast with top-p 0.95, top-k 50
+and both: grpokit's sampler, grpokit's sampler with the filters it had before 2026-12-08 (every
+row's whole vocabulary sorted for top-p), and HF `generate` with the same filters, `--reps`
+interleaved; and the share of grpokit's row draws that ran over a few candidate logits (their
+widths) rather than the whole vocabulary.
+
 `--episodes` times multi-turn episodes instead (`rollout.episodes.sample_episodes`): the calculator
 task's episodes on the shipped tiny-calculator model (16 problems x G = 8, up to 3 model turns of
 40 tokens, 120 tokens per episode, temperature 1, the calculator tool in worker processes), on
@@ -55,7 +61,10 @@ from grpokit.rollout.sampler import SamplingParams, encode_prompts, sample
 PROMPTS = ["sort:381927=", "sort:550412=", "sort:918273=", "sort:000111="]
 
 
-def hf_generate(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperature: float = 1.0) -> int:
+def hf_generate(
+    model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperature: float = 1.0,
+    top_k: int = 0, top_p: float = 1.0,
+) -> int:  # fmt: skip
     ids, mask = encode_prompts(tok, prompts)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -64,8 +73,8 @@ def hf_generate(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperat
             attention_mask=mask.long(),
             do_sample=True,
             temperature=temperature,
-            top_k=0,
-            top_p=1.0,
+            top_k=top_k,
+            top_p=top_p,
             max_new_tokens=n,
             num_return_sequences=G,
             pad_token_id=tok.pad_token_id,
@@ -79,9 +88,10 @@ def hf_generate(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperat
 
 
 def ours(
-    model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperature: float = 1.0, decode: str = "auto"
-) -> int:
-    params = SamplingParams(max_new_tokens=n, temperature=temperature, decode=decode)
+    model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temperature: float = 1.0, decode: str = "auto",
+    top_k: int = 0, top_p: float = 1.0,
+) -> int:  # fmt: skip
+    params = SamplingParams(n, temperature, top_p=top_p, top_k=top_k, decode=decode)
     r = sample(model, tok, prompts, G, params, torch.Generator().manual_seed(seed))
     return int(r.completion_mask.sum())
 
@@ -101,7 +111,9 @@ def ours_unshared(model, tok, G: int, n: int, seed: int, prompts=PROMPTS, temper
         decode.SHARE_BYTES = shared
 
 
-def smollm2(reps: int, compile_step: bool = False, shots: int = 0) -> None:
+def smollm2_setup(shots: int = 0):
+    """SmolLM2-135M-Instruct, the smollm2 recipe's config, and 4 word problems rendered with its chat
+    template and system prompt (``shots`` worked problems before each question)."""
     from grpokit.config import load_config
     from grpokit.data.datasets import build_prompt
     from grpokit.data.tasks import TaskSource
@@ -118,6 +130,11 @@ def smollm2(reps: int, compile_step: bool = False, shots: int = 0) -> None:
         )
         for row in (source.row(i) for i in range(4))
     ]  # fmt: skip
+    return cfg, model, tok, prompts
+
+
+def smollm2(reps: int, compile_step: bool = False, shots: int = 0) -> None:
+    cfg, model, tok, prompts = smollm2_setup(shots)
     if compile_step:
         compile_cost(model, tok, prompts, 8, cfg.rollout.max_new_tokens, reps, "float32")
         keep_head_float32(model)
@@ -180,6 +197,71 @@ def profile(model, tok) -> None:
     ours(model, tok, 16, 64, 2)
     pr.disable()
     pstats.Stats(pr).sort_stats("tottime").print_stats(15)
+
+
+def _sorted_truncated_draw(z_bV: torch.Tensor, top_k: int, top_p: float, u_b: torch.Tensor):
+    """The sampler's top-k / top-p before 2026-12-08 (kept here as the baseline): top-k masks the
+    logits below the k-th over the whole vocabulary, top-p sorts every row's whole vocabulary,
+    then the draw runs over the masked vocabulary."""
+    from grpokit.rollout.sampler import inverse_cdf
+
+    if top_k:
+        kth_b1 = torch.topk(z_bV, top_k, dim=-1).values[:, -1:]
+        z_bV = z_bV.masked_fill(z_bV < kth_b1, float("-inf"))
+    if top_p < 1.0:
+        sorted_bV, order_bV = torch.sort(z_bV, dim=-1, descending=True)
+        p_bV = torch.softmax(sorted_bV, dim=-1)
+        drop_bV = (p_bV.cumsum(dim=-1) - p_bV) >= top_p
+        z_bV = z_bV.scatter(-1, order_bV, sorted_bV.masked_fill(drop_bV, float("-inf")))
+    return inverse_cdf(z_bV, u_b, out=z_bV)
+
+
+def truncation(reps: int) -> None:
+    """SmolLM2 under bfloat16 autocast (the recipe's precision), the recipe's prompts and shapes, with
+    top-p / top-k: grpokit's sampler, the same with the filters as before 2026-12-08
+    (:func:`_sorted_truncated_draw`), and HF ``generate`` with the same filters, interleaved."""
+    from grpokit.rollout import sampler
+
+    cfg, model, tok, prompts = smollm2_setup()
+    keep_head_float32(model)
+    G, n, temp = 8, cfg.rollout.max_new_tokens, cfg.rollout.temperature
+    print(f"SmolLM2-135M-Instruct, bfloat16, 4 word problems x G={G}, {n} new tokens, T={temp}, {reps} reps")
+    header = "filters | grpokit tok/s | grpokit, filters as before | HF generate tok/s | vs before | vs HF"
+    print(f"\n| {header} |\n|---|---:|---:|---:|---:|---:|")
+    current = sampler._truncated_draw
+
+    def before(*args, **kwargs) -> int:
+        sampler._truncated_draw = _sorted_truncated_draw
+        try:
+            return ours(*args, **kwargs)
+        finally:
+            sampler._truncated_draw = current
+
+    widths: list[int] = []  # the widths each row's draw ran over, in grpokit's first call per setting
+    draw = sampler.inverse_cdf
+
+    def recording(z_bV, u_b, out=None):
+        widths.extend([z_bV.shape[-1]] * z_bV.shape[0])
+        return draw(z_bV, u_b, out=out)
+
+    sides = (("ours", ours), ("before", before), ("hf", hf_generate))
+    for top_k, top_p in ((0, 0.95), (50, 1.0), (50, 0.95)):
+        rates: dict[str, list[float]] = {name: [] for name, _ in sides}
+        widths.clear()
+        for rep in range(reps):
+            for name, fn in sides:
+                sampler.inverse_cdf = recording if (name, rep) == ("ours", 0) else draw
+                t = time.perf_counter()
+                with mixed_precision("cpu", "bfloat16"):
+                    produced = fn(model, tok, G, n, rep, prompts, temp, top_k=top_k, top_p=top_p)
+                rates[name].append(produced / (time.perf_counter() - t))
+        sampler.inverse_cdf = draw
+        med = {name: statistics.median(r) for name, r in rates.items()}
+        cells = " | ".join(f"{med[k]:.0f} ({min(r):.0f}-{max(r):.0f})" for k, r in rates.items())
+        label = ", ".join([f"top_k={top_k}"] * bool(top_k) + [f"top_p={top_p}"] * (top_p < 1))
+        print(f"| {label} | {cells} | {med['ours'] / med['before']:.2f}x | {med['ours'] / med['hf']:.2f}x |")
+        shares = {w: widths.count(w) / len(widths) for w in sorted(set(widths))}
+        print("  row draws by width: " + ", ".join(f"{w}: {x:.1%}" for w, x in shares.items()), flush=True)
 
 
 def _full_width_draw(logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,6 +377,7 @@ def episodes(reps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draw", action="store_true")
+    ap.add_argument("--truncation", action="store_true", help="SmolLM2 with top-p / top-k (see above)")
     ap.add_argument("--episodes", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
@@ -304,6 +387,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.draw:
         draw_cost()
+        return
+    if a.truncation:
+        truncation(a.reps)
         return
     if a.episodes:
         episodes(a.reps)
