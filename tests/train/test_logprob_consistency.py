@@ -1,5 +1,6 @@
 """The sampler's per-token log-probs equal the trainer's recomputation (float32, any micro-batch
-split, padded or packed), top-k / top-p log-probs are the renormalised ones and serve as pi_old,
+split, padded or packed), top-k / top-p log-probs are the renormalised ones and serve as pi_old
+(under a rollout correction the trainer's recomputation does, the weights carrying the truncation),
 and the trainer's always-on mismatch metrics and rollout corrections see exactly what the sampler
 recorded, the built-in one's or the vLLM engine's (over a CPU stand-in for vLLM)."""
 
