@@ -14,7 +14,7 @@ from grpokit.models.loading import load_model
 from grpokit.rewards.registry import WeightedReward
 from grpokit.train.optim import learning_rate
 from grpokit.train.trainer import GRPOTrainer
-from tests.helpers import TIME_KEYS
+from tests.helpers import TIME_KEYS, varied
 
 CONTRACT_KEYS = {
     "step",
@@ -200,6 +200,35 @@ def test_existing_run_dir_is_not_overwritten(tmp_path, tiny_dir):
     GRPOTrainer(cfg).train()
     with pytest.raises(FileExistsError, match="already holds a run"):
         GRPOTrainer(cfg).train()
+
+
+def test_a_nonfinite_gradient_skips_its_optimizer_step(tmp_path, tiny_dir, monkeypatch, capsys):
+    # one NaN in the first step's gradient: that optimizer step is skipped (weights and AdamW's
+    # moments untouched, reported), and the run goes on with finite weights
+    model, tok = load_model(str(tiny_dir))
+    initial = [p.detach().clone() for p in model.parameters()]
+    clip, seen = torch.nn.utils.clip_grad_norm_, []
+
+    def poisoned(params, max_norm, *args, **kwargs):
+        params = list(params)
+        seen.append([p.detach().clone() for p in model.parameters()])  # the weights before this step
+        if len(seen) == 1:
+            next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("nan")
+        return clip(params, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", poisoned)
+    cfg = config(tmp_path, tiny_dir, **{"train.max_steps": 2, "algo.beta": 0.0, "train.quiet": False})
+    trainer = GRPOTrainer(cfg, model=model, tokenizer=tok, rewards=[varied])
+    trainer.train()
+    rows = read_metrics(tmp_path / "run")
+    assert [r["grad_nonfinite_steps"] for r in rows] == [1, 0]
+    assert [r["optimizer_step_skipped"] for r in rows] == [0, 0]  # (the no-signal rule's flag)
+    assert rows[0]["grad_norm"] is None and math.isfinite(rows[1]["grad_norm"])
+    assert len(seen) == 2 and all(torch.equal(a, b) for a, b in zip(initial, seen[1], strict=True))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not all(torch.equal(a, b) for a, b in zip(initial, model.parameters(), strict=True))
+    assert {int(s["step"]) for s in trainer.optimizer.state.values()} == {1}  # one AdamW step taken
+    assert "1 optimizer step(s) skipped, the gradient norm was nan" in capsys.readouterr().out
 
 
 def test_a_part_with_no_loss_tokens_is_handled(tmp_path, tiny_dir, monkeypatch):

@@ -66,6 +66,8 @@ class UpdateStats:
     ratio_max: float = _NAN
     entropy: float = _NAN
     grad_norm: float = 0.0
+    # optimizer steps skipped because the gradient norm was NaN or inf (the weights were kept)
+    nonfinite_grad_steps: int = 0
     # sampler vs trainer log-probs (``mismatch_logp``): sums over the compared tokens
     mismatch_abs_sum: float = 0.0
     mismatch_outside: float = 0.0
@@ -93,6 +95,7 @@ class UpdateStats:
             num_tokens=tokens,
             ratio_max=ratio_max,
             grad_norm=sum(s.grad_norm for s in steps) / len(steps),
+            nonfinite_grad_steps=sum(s.nonfinite_grad_steps for s in steps),
             mismatch_abs_sum=sum(s.mismatch_abs_sum for s in steps),
             mismatch_outside=sum(s.mismatch_outside for s in steps),
             mismatch_tokens=sum(s.mismatch_tokens for s in steps),

@@ -159,6 +159,7 @@ def step_metrics(
         "completion_length_max": int(lengths.max()),
         "truncated_fraction": float(rollout.truncated.float().mean()),
         "grad_norm": stats.grad_norm,
+        "grad_nonfinite_steps": stats.nonfinite_grad_steps,
         "prompt_shared_fraction": stats.shared_rows / stats.rows if stats.rows else float("nan"),
         "num_unscored": scores.num_unscored,
         "reward_failures": scores.num_failed,

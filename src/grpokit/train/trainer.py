@@ -319,6 +319,12 @@ class GRPOTrainer:
             batch, plans, self.step, behaviour, ref_logp, is_weights,
             rollout.sampler_logp if in_update else None, self._dump_path(),
         )  # fmt: skip
+        if stats.nonfinite_grad_steps:
+            self._print(
+                f"grpokit: step {self.step}: {stats.nonfinite_grad_steps} optimizer step(s) skipped, the "
+                f"gradient norm was {stats.grad_norm} (the weights are unchanged by them; a lower "
+                "train.lr, or model.autocast: null, if it recurs)"
+            )
         self._engine_stale = True
         learner.sync_reference(self.step)
         times = (t0, t0 + gen["time_sampling_s"], t1, t2, time.perf_counter())

@@ -191,11 +191,17 @@ class Learner:
                 self.train_module.eval()
                 norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm or math.inf)
                 norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-                self.optimizer.step()
+                # a NaN or inf gradient would write itself into the weights and AdamW's moments for
+                # good: that step is skipped (every rank sees the same reduced norm)
+                finite = math.isfinite(norm)
+                if finite:
+                    self.optimizer.step()
                 # autocast keeps its casts of the weights until its context (the whole train step)
                 # ends; the next optimizer step's forward must see the weights this one wrote
                 torch.clear_autocast_cache()
-                steps.append(UpdateStats(**{**vars(stats), "grad_norm": norm}))
+                steps.append(
+                    UpdateStats(**{**vars(stats), "grad_norm": norm, "nonfinite_grad_steps": int(not finite)})
+                )
         self.optimizer.zero_grad(set_to_none=True)
         return UpdateStats.combine(steps), lr, False
 
